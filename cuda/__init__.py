@@ -1,0 +1,1 @@
+"""GPU data plane (``hpcadapt.cuda``)."""

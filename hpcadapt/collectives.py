@@ -1,0 +1,251 @@
+"""Host collectives over MPI on numpy arrays and CPU torch tensors, blocking and asynchronous.
+
+``allreduce`` and ``broadcast`` work in place and return their input; ``allgather``
+returns a new array (or tensor) with the ranks' inputs stacked along a new leading
+axis. Every ``*_async`` call returns a Handle: ``test()`` polls (and drives MPI's
+progress), ``wait()`` blocks and returns the result."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import config
+from .buffers import Array, as_buffer, layout_signature
+from .errors import CommunicationError
+from .runtime import World, world as current_world
+
+__all__ = [
+    "ReduceOp", "Handle", "Communicator", "MPICommunicator", "communicator",
+    "allreduce", "allreduce_async", "broadcast", "broadcast_async",
+    "allgather", "allgather_async", "barrier", "barrier_async",
+]
+
+
+class ReduceOp(enum.Enum):
+    """Reductions; AVERAGE is a SUM divided by the world size on every rank."""
+
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+
+
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM,
+            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}
+
+
+class Handle:
+    """An operation in flight. ``wait()`` returns its result; ``test()`` says if it is done."""
+
+    def __init__(self, request: Optional[MPI.Request], finish: Callable[[], Any]):
+        self._request = request
+        self._finish = finish
+        self._result: Any = None
+        self._done = False
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        if self._request is None or self._request.Test():
+            self._complete()
+        return self._done
+
+    def wait(self) -> Any:
+        if not self._done:
+            if self._request is not None:
+                self._request.Wait()
+            self._complete()
+        return self._result
+
+    def _complete(self) -> None:
+        self._request = None
+        self._result = self._finish()
+        self._done = True
+
+
+class Communicator(Protocol):
+    """What the data plane needs from a backend (MPI on the host, NCCL on GPUs)."""
+
+    rank: int
+    size: int
+
+    def allreduce_async(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Handle: ...
+    def broadcast_async(self, x: Array, root: int = 0) -> Handle: ...
+    def allgather_async(self, x: Array) -> Handle: ...
+    def barrier_async(self) -> Handle: ...
+
+
+class MPICommunicator:
+    """Collectives on the communicator of a World (it follows the world across resizes)."""
+
+    def __init__(self, world: World):
+        self._world = world
+        self._check = config.check_collectives()
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        return self._world.comm
+
+    @property
+    def rank(self) -> int:
+        return self._world.rank
+
+    @property
+    def size(self) -> int:
+        return self._world.size
+
+    # -- asynchronous ---------------------------------------------------------------
+    def allreduce_async(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Handle:
+        op = _reduce_op(op)
+        buf, write_back = as_buffer(x, reduce=True)
+        self._check_layout("allreduce", buf)
+        size = self.size
+        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+
+        def finish() -> Array:
+            if op is ReduceOp.AVERAGE and size > 1:
+                if np.issubdtype(buf.dtype, np.integer):
+                    np.floor_divide(buf, size, out=buf)
+                else:
+                    np.multiply(buf, 1.0 / size, out=buf)
+            write_back()
+            return x
+
+        return Handle(request, finish)
+
+    def broadcast_async(self, x: Array, root: int = 0) -> Handle:
+        self._check_root(root)
+        buf, write_back = as_buffer(x)
+        self._check_layout("broadcast", buf)
+        request = self.comm.Ibcast(buf, root=root)
+
+        def finish() -> Array:
+            write_back()
+            return x
+
+        return Handle(request, finish)
+
+    def allgather_async(self, x: Array) -> Handle:
+        buf, _ = as_buffer(x)
+        self._check_layout("allgather", buf)
+        out = np.empty((self.size,) + buf.shape, dtype=buf.dtype)
+        request = self.comm.Iallgather(buf, out)
+
+        def finish() -> Array:
+            return torch.from_numpy(out) if isinstance(x, torch.Tensor) else out
+
+        return Handle(request, finish)
+
+    def barrier_async(self) -> Handle:
+        return Handle(self.comm.Ibarrier(), lambda: None)
+
+    # -- blocking: direct calls, no request object, so small messages stay cheap ------
+    def allreduce(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Array:
+        op = _reduce_op(op)
+        buf, write_back = as_buffer(x, reduce=True)
+        self._check_layout("allreduce", buf)
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+        if op is ReduceOp.AVERAGE and self.size > 1:
+            if np.issubdtype(buf.dtype, np.integer):
+                np.floor_divide(buf, self.size, out=buf)
+            else:
+                np.multiply(buf, 1.0 / self.size, out=buf)
+        write_back()
+        return x
+
+    def broadcast(self, x: Array, root: int = 0) -> Array:
+        self._check_root(root)
+        buf, write_back = as_buffer(x)
+        self._check_layout("broadcast", buf)
+        self.comm.Bcast(buf, root=root)
+        write_back()
+        return x
+
+    def allgather(self, x: Array) -> Array:
+        return self.allgather_async(x).wait()
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    # -- checks -------------------------------------------------------------------
+    def _check_root(self, root: int) -> None:
+        if not 0 <= root < self.size:
+            raise CommunicationError(f"root {root} is outside the world of size {self.size}")
+
+    def _check_layout(self, what: str, buf: np.ndarray) -> None:
+        if self._check:
+            check_same_layout(self.comm, [(buf.shape, buf.dtype)], what=what)
+
+
+def check_same_layout(comm: MPI.Intracomm, items: Sequence, *, what: str) -> None:
+    """Raise CommunicationError on every rank if the (shape, dtype) lists differ.
+
+    One allreduce of two int64s: max(sig) == min(sig) iff all ranks agree."""
+    sig = layout_signature(items)
+    pair = np.array([sig, -sig], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, pair, op=MPI.MAX)
+    if pair[0] != -pair[1]:
+        mine = ", ".join(f"{tuple(s)}:{d}" for s, d in items)
+        raise CommunicationError(
+            f"{what}: ranks passed tensors of different shapes or dtypes "
+            f"(rank {comm.Get_rank()} has [{mine}]); every rank must pass the same layout")
+
+
+def _reduce_op(op: Any) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    try:
+        return ReduceOp(str(op).lower())
+    except ValueError:
+        raise CommunicationError(
+            f"unknown reduction {op!r}; choose one of {[o.value for o in ReduceOp]}") from None
+
+
+_communicators: dict = {}
+
+
+def communicator(world: Optional[World] = None) -> MPICommunicator:
+    """The MPICommunicator of ``world`` (default: the one from ``hpcadapt.init()``)."""
+    w = world if world is not None else current_world()
+    comm = _communicators.get(id(w))
+    if comm is None or comm._world is not w:
+        comm = _communicators[id(w)] = MPICommunicator(w)
+    return comm
+
+
+# Module-level conveniences on the initialised world, in the manner of Horovod.
+def allreduce(x: Array, op: ReduceOp = ReduceOp.SUM) -> Array:
+    return communicator().allreduce(x, op)
+
+
+def allreduce_async(x: Array, op: ReduceOp = ReduceOp.SUM) -> Handle:
+    return communicator().allreduce_async(x, op)
+
+
+def broadcast(x: Array, root: int = 0) -> Array:
+    return communicator().broadcast(x, root)
+
+
+def broadcast_async(x: Array, root: int = 0) -> Handle:
+    return communicator().broadcast_async(x, root)
+
+
+def allgather(x: Array) -> Array:
+    return communicator().allgather(x)
+
+
+def allgather_async(x: Array) -> Handle:
+    return communicator().allgather_async(x)
+
+
+def barrier() -> None:
+    communicator().barrier()
+
+
+def barrier_async() -> Handle:
+    return communicator().barrier_async()

@@ -1,0 +1,34 @@
+"""One error family for hpcadapt; recovery code dispatches on these types."""
+
+__all__ = [
+    "HpcAdaptError",
+    "ConfigurationError",
+    "CommunicationError",
+    "MembershipError",
+    "AllocationError",
+    "PolicyError",
+]
+
+
+class HpcAdaptError(Exception):
+    """Base of every error hpcadapt raises on purpose."""
+
+
+class ConfigurationError(HpcAdaptError, ValueError):
+    """A setting, flag or argument has a value hpcadapt cannot use."""
+
+
+class CommunicationError(HpcAdaptError):
+    """A collective could not run or its inputs disagree across ranks."""
+
+
+class MembershipError(HpcAdaptError):
+    """A resize (grow or shrink) could not be completed; the old world is kept."""
+
+
+class AllocationError(HpcAdaptError):
+    """The allocator could not provide or release the requested resources."""
+
+
+class PolicyError(HpcAdaptError):
+    """A policy failed or produced an unusable decision."""

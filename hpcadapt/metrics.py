@@ -1,0 +1,105 @@
+"""Typed metrics records and the JSON Lines sink that rank 0 writes them to."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any, Dict, Optional
+
+__all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "MetricsSink"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    epoch: int
+    world_size: int
+    batch_size: int
+    lr: float
+    momentum: float
+    loss: float
+    samples_per_s: float
+    step_time_s: float
+    cluster_version: int
+    monitors: Dict[str, float] = field(default_factory=dict)
+    event: str = "step"
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    step: int
+    epoch: int
+    world_size: int
+    batch_size: int
+    lr: float
+    loss: float
+    samples_per_s: float
+    test_accuracy: float
+    epoch_time_s: float
+    cluster_version: int
+    event: str = "epoch"
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    step: int
+    epoch: int
+    policy: str
+    changes: Dict[str, Any]
+    reason: str
+    metrics: Dict[str, float]
+    world_size: int
+    batch_size: int
+    lr: float
+    event: str = "decision"
+
+
+@dataclass(frozen=True)
+class ResizeRecord:
+    step: int
+    epoch: int
+    old_size: int
+    new_size: int
+    reason: str
+    pause_s: float
+    ok: bool
+    cluster_version: int
+    world_size: int
+    batch_size: int
+    lr: float
+    event: str = "resize"
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class MetricsSink:
+    """Appends one JSON object per record to a file; a sink with no path drops records."""
+
+    def __init__(self, path: Optional[str], *, enabled: bool = True):
+        self._file: Optional[IO[str]] = None
+        self._t0 = time.perf_counter()
+        if path and enabled:
+            self._file = open(path, "a", encoding="utf-8", buffering=1)
+
+    def write(self, record: Any) -> None:
+        if self._file is None:
+            return
+        obj = asdict(record) if hasattr(record, "__dataclass_fields__") else dict(record)
+        obj["time_s"] = round(time.perf_counter() - self._t0, 6)
+        self._file.write(json.dumps(_clean(obj), sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,88 @@
+"""Built-in models: an MLP, a small CNN and a ResNet-style network (GroupNorm, so no
+per-rank running statistics drift apart between replicas)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import ConfigurationError
+
+__all__ = ["MODELS", "build_model", "count_parameters"]
+
+
+def mlp(input_shape: Tuple[int, ...], num_classes: int, *, hidden: Sequence[int] = (256, 256),
+        **_) -> nn.Module:
+    layers: list = [nn.Flatten()]
+    width = int(np.prod(input_shape))
+    for h in hidden:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def cnn(input_shape: Tuple[int, ...], num_classes: int, *, width: int = 32, **_) -> nn.Module:
+    c = input_shape[0]
+    return nn.Sequential(
+        nn.Conv2d(c, width, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(width, width * 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(width * 2, width * 2, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        nn.Linear(width * 2 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
+    )
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(min(8, cout), cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(min(8, cout), cout)
+        self.skip = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.skip = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
+                                      nn.GroupNorm(min(8, cout), cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return torch.relu(out + self.skip(x))
+
+
+def resnet(input_shape: Tuple[int, ...], num_classes: int, *, width: int = 32,
+           blocks: Sequence[int] = (1, 1, 1), **_) -> nn.Module:
+    """A ResNet-style network: a stem, then stages of basic blocks doubling the width."""
+    layers: list = [nn.Conv2d(input_shape[0], width, 3, padding=1, bias=False),
+                    nn.GroupNorm(min(8, width), width), nn.ReLU()]
+    cin = width
+    for i, n in enumerate(blocks):
+        cout = width * (2 ** i)
+        for j in range(n):
+            layers.append(_Block(cin, cout, 2 if (j == 0 and i > 0) else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, num_classes)]
+    return nn.Sequential(*layers)
+
+
+MODELS: Dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "resnet": resnet}
+
+
+def build_model(name: str, input_shape: Tuple[int, ...], num_classes: int, *, seed: int = 0,
+                **options) -> nn.Module:
+    """Build a built-in model with seeded initial weights (rank 0's are broadcast anyway)."""
+    try:
+        factory = MODELS[name]
+    except KeyError:
+        raise ConfigurationError(
+            f"unknown model {name!r}; choose one of {sorted(MODELS)}") from None
+    torch.manual_seed(seed)
+    return factory(tuple(input_shape), num_classes, **options)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

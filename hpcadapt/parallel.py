@@ -1,0 +1,364 @@
+"""Data-parallel PyTorch: gradients averaged by bucketed asynchronous allreduce from backward hooks.
+
+Each parameter's ``.grad`` is a view into a flat bucket, so gradients accumulate where the
+collective reads them and nothing is packed or unpacked. When the last gradient of a bucket
+is ready (a post-accumulate-grad hook), the bucket is scaled by this rank's weight and its
+allreduce starts while backward goes on; ``step()`` waits for the rest and steps the wrapped
+optimizer. The last bucket launched in a step also carries a few extra slots: this rank's
+squared gradient norm and the caller's metrics, so monitoring needs no collective of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import config
+from .collectives import Handle, MPICommunicator, ReduceOp, check_same_layout, communicator
+from .errors import CommunicationError, ConfigurationError
+from .fusion import Bucket, plan_buckets
+from .runtime import World, world as current_world
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+           "broadcast_object_state", "GradientStats"]
+
+log = logging.getLogger(__name__)
+
+
+class GradientStats:
+    """What one synchronised step tells about its gradients (identical on every rank).
+
+    ``local_sqnorm_mean``: sum_i w_i |g_i|^2 over ranks (w_i = this rank's share of the
+    global batch); ``global_sqnorm``: |g_avg|^2 of the averaged gradient; ``extras``: the
+    summed metric slots the caller staged."""
+
+    __slots__ = ("local_sqnorm_mean", "global_sqnorm", "extras")
+
+    def __init__(self, local_sqnorm_mean: float, global_sqnorm: float, extras: np.ndarray):
+        self.local_sqnorm_mean = local_sqnorm_mean
+        self.global_sqnorm = global_sqnorm
+        self.extras = extras
+
+
+class _BucketState:
+    __slots__ = ("bucket", "params", "pending", "handle", "launched", "sqnorm")
+
+    def __init__(self, bucket: Bucket, params: List[torch.nn.Parameter]):
+        self.bucket = bucket
+        self.params = params
+        self.pending = len(params)
+        self.handle: Optional[Handle] = None
+        self.launched = False
+        self.sqnorm: Optional[torch.Tensor] = None
+
+
+class DistributedOptimizer:
+    """Wrap a model's optimizer for data-parallel training over the current world.
+
+    ``named_parameters``: the model's parameters (order decides bucketing). At
+    construction, parameters and optimizer state are broadcast from rank 0 and the
+    parameter layout is checked across ranks (CommunicationError if it differs)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], *,
+                 world: Optional[World] = None, bucket_bytes: Optional[int] = None,
+                 extra_slots: int = 0, track_grad_norms: bool = False,
+                 broadcast_initial_state: bool = True):
+        self.optimizer = optimizer
+        self._world = world if world is not None else current_world()
+        self._bucket_bytes = bucket_bytes if bucket_bytes is not None else config.bucket_bytes()
+        if self._bucket_bytes <= 0:
+            raise ConfigurationError(f"bucket_bytes must be positive, got {self._bucket_bytes}")
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if not named:
+            raise ConfigurationError("the model has no parameters that require gradients")
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise ConfigurationError("parameter names must be unique")
+        self._named = named
+        self._extra_slots = int(extra_slots)
+        self.track_grad_norms = track_grad_norms
+        self._weight = None  # this rank's share of the global batch; None = 1/size
+        self._staged_extras = torch.zeros(max(self._extra_slots, 0) + 1, dtype=torch.float64)
+        self._skip_sync = False
+        self._version = -1
+        self._buckets: List[_BucketState] = []
+        self._param_bucket: Dict[torch.nn.Parameter, _BucketState] = {}
+        self._param_offset: Dict[torch.nn.Parameter, int] = {}
+        self._ready: set = set()
+        self._launched = 0
+        self._hooks = []
+        self.last_stats: Optional[GradientStats] = None
+        comm = self._world.comm
+        check_same_layout(comm, [(p.shape, p.dtype) for _, p in named], what="DistributedOptimizer")
+        if broadcast_initial_state:
+            broadcast_parameters([p for _, p in named], root=0, world=self._world)
+            broadcast_optimizer_state(self.optimizer, root=0, world=self._world)
+        self._build()
+        for _, p in named:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # -- optimizer interface ---------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buckets (the ``.grad`` views stay; ``set_to_none`` is ignored
+        because a None gradient would detach the parameter from its bucket)."""
+        self._ensure_current()
+        for b in self._buckets:
+            b.bucket.flat.zero_()
+        self._reattach_views()
+
+    def step(self, closure=None):
+        self.synchronize()
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    # -- data parallel controls ------------------------------------------------------
+    def set_local_weight(self, weight: Optional[float]) -> None:
+        """This rank's share of the global batch (local samples / global samples) for the
+        coming step; None means an equal share. The average gradient is sum_i w_i g_i."""
+        if weight is not None and not (0.0 <= weight <= 1.0):
+            raise ConfigurationError(f"local weight must be in [0, 1], got {weight}")
+        self._weight = weight
+
+    def stage_extras(self, values: Sequence[float]) -> None:
+        """Values summed over ranks in the coming step's last bucket (``last_stats.extras``)."""
+        if len(values) != self._extra_slots:
+            raise ConfigurationError(
+                f"expected {self._extra_slots} extra values, got {len(values)}")
+        self._staged_extras[1:] = torch.as_tensor(values, dtype=torch.float64)
+
+    def set_extra_slots(self, n: int) -> None:
+        """Change the number of metric slots (rebuilds the buckets at the next step)."""
+        if n != self._extra_slots:
+            self._extra_slots = int(n)
+            self._staged_extras = torch.zeros(n + 1, dtype=torch.float64)
+            self._version = -1
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally without communicating."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    @property
+    def world(self) -> World:
+        return self._world
+
+    # -- buckets -----------------------------------------------------------------------
+    def _ensure_current(self) -> None:
+        if self._version != self._world.cluster_version:
+            self._build()
+
+    def _build(self) -> None:
+        """Bucket the parameters in reverse order (the order backward produces gradients)."""
+        params = [p for _, p in reversed(self._named)]
+        groups = plan_buckets(params, self._bucket_bytes)
+        self._buckets = []
+        self._param_bucket = {}
+        self._param_offset = {}
+        for group in groups:
+            members = [params[i] for i in group]
+            bucket = Bucket.for_tensors(members, extra=self._extra_slots + 1)
+            offset = 0
+            for p in members:
+                n = p.numel()
+                if p.grad is not None:
+                    bucket.flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                self._param_offset[p] = offset
+                offset += n
+            state = _BucketState(bucket, members)
+            self._buckets.append(state)
+            for p in members:
+                self._param_bucket[p] = state
+        self._comm: MPICommunicator = communicator(self._world)
+        self._version = self._world.cluster_version
+        self._reattach_views()
+        self._reset_step()
+
+    def _reattach_views(self) -> None:
+        for state in self._buckets:
+            offset = 0
+            for p in state.params:
+                n = p.numel()
+                view = state.bucket.flat[offset:offset + n].view_as(p)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+                offset += n
+
+    def _reset_step(self) -> None:
+        self._ready.clear()
+        self._launched = 0
+        for b in self._buckets:
+            b.pending = len(b.params)
+            b.handle = None
+            b.launched = False
+            b.sqnorm = None
+
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        if self._skip_sync:
+            return
+        if self._version != self._world.cluster_version:
+            raise CommunicationError(
+                "the world changed during backward; resizes apply between steps only")
+        if p in self._ready:
+            raise CommunicationError(
+                "backward ran twice before step(); wrap the extra backward passes in "
+                "optimizer.no_sync() to accumulate gradients")
+        self._ready.add(p)
+        state = self._param_bucket[p]
+        self._ensure_view(state, p)
+        state.pending -= 1
+        if state.pending == 0:
+            self._launch(state)
+        # Drive MPI's progress engine for collectives already in flight.
+        for b in self._buckets:
+            if b.handle is not None and not b.handle.test():
+                break
+
+    def _ensure_view(self, state: _BucketState, p: torch.nn.Parameter) -> None:
+        """Autograd may have replaced a gradient (e.g. after ``p.grad = None``): copy it in."""
+        offset = self._param_offset[p]
+        view = state.bucket.flat[offset:offset + p.numel()].view_as(p)
+        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+
+    def _launch(self, state: _BucketState) -> None:
+        bucket = state.bucket
+        payload = bucket.payload
+        if self.track_grad_norms:
+            state.sqnorm = torch.dot(payload, payload)
+        self._launched += 1
+        extras = bucket.extras
+        if self._launched == len(self._buckets):
+            # Last bucket of this step on this rank: it carries the metric slots.
+            staged = self._staged_extras.clone()
+            if self.track_grad_norms:
+                total = sum(float(b.sqnorm) for b in self._buckets if b.sqnorm is not None)
+                staged[0] = total * self._share()
+            extras.copy_(staged.to(extras.dtype))
+        else:
+            extras.zero_()
+        weight = self._share()
+        if weight != 1.0:
+            payload.mul_(weight)
+        state.handle = self._comm.allreduce_async(bucket.flat, ReduceOp.SUM)
+        state.launched = True
+
+    def _share(self) -> float:
+        return self._weight if self._weight is not None else 1.0 / self._world.size
+
+    def synchronize(self) -> GradientStats:
+        """Finish every bucket's allreduce; afterwards ``.grad`` holds the averaged gradient."""
+        self._ensure_current()
+        for state in self._buckets:
+            if not state.launched:
+                for p in state.params:
+                    if p not in self._ready:
+                        self._ensure_view(state, p)
+                self._launch(state)
+        extras = np.zeros(self._extra_slots + 1, dtype=np.float64)
+        global_sq = 0.0
+        for state in self._buckets:
+            state.handle.wait()
+            ex = state.bucket.extras
+            extras += ex.double().numpy()
+            if self.track_grad_norms:
+                payload = state.bucket.payload
+                global_sq += float(torch.dot(payload, payload))
+        self.last_stats = GradientStats(float(extras[0]), global_sq, extras[1:])
+        self._reset_step()
+        return self.last_stats
+
+    def flat_gradients(self) -> List[torch.Tensor]:
+        """The gradient buckets' payloads (views; valid until the next zero_grad)."""
+        return [b.bucket.payload for b in self._buckets]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _pack_broadcast(tensors: Sequence[torch.Tensor], root: int, comm: MPI.Intracomm,
+                    bucket_bytes: int) -> None:
+    for group in plan_buckets(tensors, bucket_bytes):
+        members = [tensors[i] for i in group]
+        bucket = Bucket.for_tensors(members)
+        if comm.Get_rank() == root:
+            bucket.pack(members)
+        comm.Bcast(bucket.flat.numpy(), root=root)
+        with torch.no_grad():
+            bucket.unpack(members)
+
+
+def broadcast_parameters(tensors: Sequence[torch.Tensor], *, root: int = 0,
+                         world: Optional[World] = None,
+                         bucket_bytes: int = 16 * 1024 * 1024) -> None:
+    """Overwrite ``tensors`` (parameters, buffers) on every rank with root's values."""
+    w = world if world is not None else current_world()
+    tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for t in tensors]
+    _pack_broadcast(tensors, root, w.comm, bucket_bytes)
+
+
+def broadcast_object_state(state: Optional[dict], *, root: int = 0,
+                           world: Optional[World] = None) -> dict:
+    """Broadcast a dict of tensors and plain values from root, as ``torch.save`` bytes.
+
+    Receivers load with ``weights_only=True``, so nothing but tensors and plain
+    containers can be reconstructed: no arbitrary pickle crosses the wire."""
+    w = world if world is not None else current_world()
+    comm = w.comm
+    if comm.Get_rank() == root:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+        n = np.array([data.size], dtype=np.int64)
+    else:
+        n = np.zeros(1, dtype=np.int64)
+    comm.Bcast(n, root=root)
+    if comm.Get_rank() != root:
+        data = np.empty(int(n[0]), dtype=np.uint8)
+    comm.Bcast(data, root=root)
+    if comm.Get_rank() == root:
+        return state
+    return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, *, root: int = 0,
+                              world: Optional[World] = None) -> None:
+    """Make every rank's optimizer state (momentum buffers, hyper-parameters) root's."""
+    w = world if world is not None else current_world()
+    if w.size == 1:
+        return
+    mine = optimizer.state_dict() if w.comm.Get_rank() == root else None
+    state = broadcast_object_state(mine, root=root, world=w)
+    if w.comm.Get_rank() != root:
+        optimizer.load_state_dict(state)

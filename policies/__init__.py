@@ -1,0 +1,1 @@
+"""Adaptation policies (``hpcadapt.policies``)."""
