@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Callable, Tuple, Union
 
 import numpy as np
@@ -26,17 +27,24 @@ def as_buffer(x: Array, *, reduce: bool = False) -> Tuple[np.ndarray, Callable[[
     non-contiguous input is copied into a contiguous buffer and copied back after.
     Raises CommunicationError for tensors off the CPU and dtypes MPI cannot carry."""
     if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise CommunicationError(
                 f"host collectives take CPU tensors, got one on {x.device}; "
                 "CUDA tensors travel through hpcadapt.cuda (NCCL)")
         if x.dtype == torch.bfloat16:
             raise CommunicationError("bfloat16 tensors cannot travel over MPI; cast to float32")
-        t = x.detach()
-        if t.is_contiguous():
-            view = t.numpy()
+        cached = _views.get(id(x))
+        if (cached is not None and cached[0]() is x and cached[1] == x.data_ptr()
+                and cached[2] == x.shape):
+            view, done = cached[3], _nothing
+        elif x.is_contiguous():
+            view = (x.detach() if x.requires_grad else x).numpy()
             done = _nothing
+            key = id(x)
+            _views[key] = (weakref.ref(x, lambda _, k=key: _views.pop(k, None)),
+                           x.data_ptr(), x.shape, view)
         else:
+            t = x.detach()
             tmp = t.contiguous()
             view = tmp.numpy()
 
@@ -59,6 +67,11 @@ def as_buffer(x: Array, *, reduce: bool = False) -> Tuple[np.ndarray, Callable[[
         raise CommunicationError(f"dtype {view.dtype} cannot be reduced over MPI; "
                                  f"use one of {sorted(str(d) for d in _REDUCIBLE)}")
     return view, done
+
+
+# Making a numpy view of a tensor costs microseconds per call; tensors that travel every
+# step (buckets, user buffers) keep theirs. Entries die with their tensors.
+_views: dict = {}
 
 
 def _nothing() -> None:

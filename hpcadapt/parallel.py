@@ -120,12 +120,17 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buckets (the ``.grad`` views stay; ``set_to_none`` is ignored
-        because a None gradient would detach the parameter from its bucket)."""
+        """Forget the gradients. With ``set_to_none`` (the default, as in torch) autograd
+        writes fresh gradients and the hooks copy them, scaled, into the buckets in one pass;
+        otherwise the buckets are zeroed and gradients accumulate in them directly."""
         self._ensure_current()
-        for b in self._buckets:
-            b.bucket.flat.zero_()
-        self._reattach_views()
+        if set_to_none:
+            for _, p in self._named:
+                p.grad = None
+        else:
+            for b in self._buckets:
+                b.bucket.flat.zero_()
+            self._reattach_views()
 
     def step(self, closure=None):
         self.synchronize()
@@ -230,7 +235,7 @@ class DistributedOptimizer:
                 "optimizer.no_sync() to accumulate gradients")
         self._ready.add(p)
         state = self._param_bucket[p]
-        self._ensure_view(state, p)
+        self._take_gradient(p, ready=True)
         state.pending -= 1
         if state.pending == 0:
             self._launch(state)
@@ -239,22 +244,31 @@ class DistributedOptimizer:
             if b.handle is not None and not b.handle.test():
                 break
 
-    def _ensure_view(self, state: _BucketState, p: torch.nn.Parameter) -> None:
-        """Autograd may have replaced a gradient (e.g. after ``p.grad = None``): copy it in."""
+    def _take_gradient(self, p: torch.nn.Parameter, ready: bool) -> None:
+        """Move ``p``'s gradient into its bucket slot, scaled by this rank's share, and make
+        ``p.grad`` a view of the slot. A parameter whose hook did not fire this step (unused
+        in the forward pass) contributes zeros."""
+        state = self._param_bucket[p]
         offset = self._param_offset[p]
         view = state.bucket.flat[offset:offset + p.numel()].view_as(p)
-        if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-            p.grad = view
+        g = p.grad
+        weight = self._share()
+        if g is None or (not ready and g.data_ptr() == view.data_ptr()):
+            view.zero_()
+        elif g.data_ptr() == view.data_ptr():
+            if weight != 1.0:
+                view.mul_(weight)
+        else:
+            torch.mul(g, weight, out=view)
+        p.grad = view
 
     def _launch(self, state: _BucketState) -> None:
         bucket = state.bucket
         payload = bucket.payload
         if self.track_grad_norms:
-            state.sqnorm = torch.dot(payload, payload)
+            w = self._share()
+            # payload holds w * g_i: divide the scale back out of the squared norm
+            state.sqnorm = torch.dot(payload, payload) / (w * w) if w > 0 else payload.new_zeros(())
         self._launched += 1
         extras = bucket.extras
         if self._launched == len(self._buckets):
@@ -266,9 +280,6 @@ class DistributedOptimizer:
             extras.copy_(staged.to(extras.dtype))
         else:
             extras.zero_()
-        weight = self._share()
-        if weight != 1.0:
-            payload.mul_(weight)
         state.handle = self._comm.allreduce_async(bucket.flat, ReduceOp.SUM)
         state.launched = True
 
@@ -282,7 +293,7 @@ class DistributedOptimizer:
             if not state.launched:
                 for p in state.params:
                     if p not in self._ready:
-                        self._ensure_view(state, p)
+                        self._take_gradient(p, ready=False)
                 self._launch(state)
         extras = np.zeros(self._extra_slots + 1, dtype=np.float64)
         global_sq = 0.0

@@ -1,0 +1,65 @@
+"""Helpers shared by the benchmark workers (run under mpiexec by benchmarks/run.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(comm) -> None:
+    """torch.distributed with gloo on the same ranks, rendezvous address from MPI rank 0."""
+    import torch.distributed as dist
+
+    port = comm.bcast(free_port() if comm.rank == 0 else None, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.rank, world_size=comm.size)
+
+
+def timed(fn: Callable[[], None], iters: int, comm) -> float:
+    """Seconds per call of ``fn``, the slowest rank's view (what a user waits for)."""
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dt = (time.perf_counter() - t0) / iters
+    return comm.allreduce(dt, op=__import__("mpi4py").MPI.MAX)
+
+
+def interleaved(contenders: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
+    """Run each contender once per round, in rotating order, so drift hits all alike."""
+    results: Dict[str, List[float]] = {k: [] for k in contenders}
+    names = list(contenders)
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            results[name].append(contenders[name]())
+    return results
+
+
+def median(xs: List[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def write_result(path: str, result: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+
+
+def single_thread() -> None:
+    """One torch thread per rank: the ranks share the machine's cores."""
+    import torch
+
+    threads = int(os.environ.get("HPCADAPT_BENCH_THREADS", "1"))
+    torch.set_num_threads(threads)

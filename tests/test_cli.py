@@ -1,0 +1,44 @@
+import subprocess
+import sys
+
+import pytest
+
+from hpcadapt.train import build_parser
+
+
+def parse_error(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(args)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_defaults_parse():
+    a = build_parser().parse_args([])
+    assert (a.model, a.dataset, a.batch_size) == ("mlp", "digits", 32)
+
+
+def test_unknown_model_lists_choices(capsys):
+    err = parse_error(["--model", "vgg"], capsys)
+    assert "invalid choice: 'vgg'" in err and "cnn" in err and "resnet" in err
+
+
+def test_unknown_dataset_lists_choices(capsys):
+    err = parse_error(["--dataset", "mnist"], capsys)
+    assert "digits" in err and "synthetic" in err
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    ("--batch-size", "0", "positive"), ("--epochs", "-1", "positive"),
+    ("--lr", "nan", "positive finite"), ("--momentum", "1.5", "[0, 1)"),
+    ("--hidden", "10,x", "integers"),
+])
+def test_bad_values_name_the_rule(capsys, flag, value, words):
+    err = parse_error([flag, value], capsys)
+    assert flag in err and words in err
+
+
+def test_help_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "hpcadapt.train", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "--metrics-file" in out.stdout

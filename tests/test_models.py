@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from hpcadapt import ConfigurationError
+from hpcadapt.datasets import load_dataset
+from hpcadapt.models import build_model, count_parameters
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet"])
+@pytest.mark.parametrize("shape", [(1, 8, 8), (3, 32, 32)])
+def test_models_map_inputs_to_logits(name, shape):
+    m = build_model(name, shape, 10)
+    assert m(torch.randn(4, *shape)).shape == (4, 10)
+    assert count_parameters(m) > 1000
+
+
+def test_same_seed_same_weights():
+    a, b = build_model("cnn", (1, 8, 8), 10, seed=5), build_model("cnn", (1, 8, 8), 10, seed=5)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_digits_split_is_real_data():
+    d = load_dataset("digits")
+    assert len(d.x_train) + len(d.x_test) == 1797
+    assert d.x_train.shape[1:] == (1, 8, 8) and set(d.y_train.tolist()) == set(range(10))
+
+
+def test_unknown_names_list_choices():
+    with pytest.raises(ConfigurationError, match="choose one of"):
+        build_model("vgg", (1, 8, 8), 10)
+    with pytest.raises(ConfigurationError, match="digits"):
+        load_dataset("imagenet")

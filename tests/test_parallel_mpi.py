@@ -1,0 +1,128 @@
+"""The data-parallel optimizer on real MPI ranks."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hpcadapt
+from hpcadapt import CommunicationError, DistributedOptimizer
+from hpcadapt.models import build_model
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.fixture(scope="module")
+def w():
+    return hpcadapt.init()
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def gathered_equal(w, vec):
+    all_vecs = hpcadapt.allgather(vec.double().numpy())
+    return all(np.array_equal(all_vecs[0], v) for v in all_vecs)
+
+
+def test_initial_state_broadcast_from_rank_0(w):
+    model = build_model("cnn", (1, 8, 8), 10, seed=100 + w.rank)  # different on purpose
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               model.named_parameters(), world=w)
+    assert gathered_equal(w, flat_params(model))
+    opt.remove_hooks()
+
+
+@pytest.mark.parametrize("bucket_bytes", [512, 1 << 22])
+def test_gradient_is_the_weighted_average_and_replicas_stay_identical(w, bucket_bytes):
+    torch.manual_seed(0)
+    x_all = torch.randn(37, 1, 8, 8)  # uneven split on purpose
+    y_all = torch.randint(0, 10, (37,))
+    model = build_model("cnn", (1, 8, 8), 10, seed=1)
+    reference = build_model("cnn", (1, 8, 8), 10, seed=1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               model.named_parameters(), world=w, bucket_bytes=bucket_bytes)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    sampler = hpcadapt.ElasticSampler(37, shuffle=False)
+    for _ in range(3):
+        sampler.set_epoch(0)
+        part = sampler.peek(37, w.rank, w.size)
+        idx = torch.from_numpy(part.indices)
+        opt.zero_grad()
+        opt.set_local_weight(part.weight)
+        nn.functional.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(reference(x_all), y_all).backward()
+        ref_opt.step()
+    assert torch.allclose(flat_params(model), flat_params(reference), atol=1e-5)
+    assert gathered_equal(w, flat_params(model))
+    opt.remove_hooks()
+
+
+def test_gradient_statistics_ride_in_the_buckets(w):
+    model = nn.Linear(5, 1, bias=False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               model.named_parameters(), world=w, extra_slots=2,
+                               track_grad_norms=True)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt.zero_grad()
+    opt.stage_extras([1.0, float(w.rank)])
+    # loss = (w . x) with x = (rank+1) * ones: local gradient is (rank+1) * ones(5)
+    (model(torch.full((1, 5), float(w.rank + 1)))).sum().backward()
+    stats = opt.synchronize()
+    n = w.size
+    mean_local = sum(5 * (r + 1) ** 2 for r in range(n)) / n
+    avg = sum(r + 1 for r in range(n)) / n
+    assert stats.local_sqnorm_mean == pytest.approx(mean_local)
+    assert stats.global_sqnorm == pytest.approx(5 * avg ** 2)
+    assert stats.extras.tolist() == pytest.approx([n, sum(range(n))])
+    assert torch.allclose(model.weight.grad, torch.full((1, 5), avg))
+    opt.remove_hooks()
+
+
+def test_no_sync_accumulates_then_reduces_once(w):
+    model = nn.Linear(3, 1, bias=False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               model.named_parameters(), world=w)
+    opt.zero_grad()
+    x = torch.ones(1, 3) * (w.rank + 1)
+    with opt.no_sync():
+        model(x).sum().backward()
+    model(x).sum().backward()
+    opt.synchronize()
+    expected = 2 * sum(r + 1 for r in range(w.size)) / w.size
+    assert torch.allclose(model.weight.grad, torch.full((1, 3), expected))
+    opt.remove_hooks()
+
+
+def test_second_backward_without_step_is_refused(w):
+    model = nn.Linear(3, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               model.named_parameters(), world=w)
+    opt.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(CommunicationError, match="no_sync"):
+        model(torch.ones(1, 3)).sum().backward()
+    opt.synchronize()
+    opt.remove_hooks()
+
+
+def test_layout_mismatch_refused_when_wrapping(w):
+    width = 4 if w.rank == 0 else 5
+    model = nn.Linear(width, 2)
+    with pytest.raises(CommunicationError, match="different shapes"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                             model.named_parameters(), world=w)
+
+
+def test_optimizer_state_broadcast(w):
+    model = nn.Linear(4, 2)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4) * (w.rank + 1)).sum().backward()
+    base.step()  # momentum buffers now differ across ranks
+    hpcadapt.broadcast_optimizer_state(base, world=w)
+    bufs = torch.cat([base.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    assert gathered_equal(w, bufs)
