@@ -3,6 +3,7 @@
 from .collectives import (Handle, MPICommunicator, ReduceOp, allgather, allgather_async,
                           allreduce, allreduce_async, barrier, barrier_async, broadcast,
                           broadcast_async, communicator)
+from . import datasets, models
 from .errors import (AllocationError, CommunicationError, ConfigurationError, HpcAdaptError,
                      MembershipError, PolicyError)
 from .fusion import grouped_allreduce, grouped_allreduce_async
