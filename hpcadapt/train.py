@@ -11,9 +11,12 @@ import logging
 import sys
 from typing import List, Optional
 
+from hpcadapt.policies import add_policy_arguments, build_lr_rule, build_policies
+
 from .datasets import DATASETS
-from .errors import HpcAdaptError
+from .errors import ConfigurationError, HpcAdaptError
 from .models import MODELS
+from .monitor import MONITORS
 
 __all__ = ["build_parser", "main"]
 
@@ -47,6 +50,16 @@ def _momentum(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _fraction_open(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 
@@ -86,9 +99,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradient fusion bucket size (default: HPCADAPT_BUCKET_BYTES or 4 MiB)")
     g.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads per rank (0: torch's default)")
+    m = p.add_argument_group("monitoring (computed inside each step)")
+    m.add_argument("--monitor", action="append", default=[], choices=list(MONITORS),
+                   help="gradient monitor to run (repeatable): gns (noise scale), variance "
+                        "(and signal-to-noise ratio); policies switch on what they need")
+    m.add_argument("--monitor-interval", type=_positive_int, default=1,
+                   help="compute gradient statistics every N steps")
+    m.add_argument("--monitor-ema", type=_fraction_open, default=0.1,
+                   help="weight of the newest estimate in the moving averages")
+    add_policy_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--metrics-file", default=None, help="write JSON Lines metrics here (rank 0)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--sample-log", default=None, metavar="DIR",
+                   help="each process appends the sample indices it trains on to DIR (tests)")
     o.add_argument("--summary-json", default=None,
                    help="write the run's summary (final accuracy, steps) here (rank 0)")
     return p
@@ -97,9 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        policies = build_policies(args)
+        lr_rule = build_lr_rule(args)
+    except ConfigurationError as exc:
+        parser.error(str(exc))
 
     from . import runtime as world_mod
     from .logs import setup_logging
+    from .engine import PolicyEngine
     from .trainer import TrainConfig, Trainer
 
     w = world_mod.init()
@@ -109,12 +139,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                       weight_decay=args.weight_decay, seed=args.seed, max_steps=args.max_steps,
                       metrics_file=args.metrics_file, progress=not args.no_progress,
                       bucket_bytes=args.bucket_bytes, hidden=args.hidden, width=args.width,
-                      synthetic_samples=args.synthetic_samples, threads=args.threads)
+                      synthetic_samples=args.synthetic_samples, threads=args.threads,
+                      monitors=args.monitor, monitor_interval=args.monitor_interval,
+                      monitor_ema=args.monitor_ema, sample_log=args.sample_log)
     try:
-        trainer = Trainer(cfg, w)
+        trainer = Trainer(cfg, w, engine=PolicyEngine(policies, lr_rule))
         if w.rank == 0:
-            log.info("training %s on %s with %d workers, global batch %d",
-                     cfg.model, cfg.dataset, w.size, cfg.batch_size)
+            log.info("training %s on %s with %d workers, global batch %d, policies: %s",
+                     cfg.model, cfg.dataset, w.size, cfg.batch_size,
+                     ", ".join(args.policy) or "none")
         summary = trainer.run()
     except HpcAdaptError as exc:
         log.error("%s", exc)

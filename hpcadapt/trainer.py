@@ -1,12 +1,17 @@
 """The training loop behind ``python -m hpcadapt.train``: data-parallel steps over the
-world, metrics on rank 0, and a step boundary where policy decisions are applied."""
+world, in-step monitoring, metrics on rank 0, and step boundaries where the policy engine's
+decisions are applied on every rank."""
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -17,9 +22,15 @@ from .datasets import Dataset, load_dataset
 from .errors import ConfigurationError
 from .metrics import EpochRecord, MetricsSink, StepRecord
 from .models import build_model
+from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
+                      estimate_from_replicas)
 from .parallel import DistributedOptimizer
-from .sampler import ElasticSampler
 from .runtime import World
+from .sampler import ElasticSampler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import PolicyEngine
+    from hpcadapt.policies.base import MetricsSnapshot
 
 __all__ = ["TrainConfig", "Trainer", "StepTimes"]
 
@@ -44,6 +55,10 @@ class TrainConfig:
     width: int = 32
     synthetic_samples: int = 4096
     threads: int = 0
+    monitors: List[str] = field(default_factory=list)
+    monitor_interval: int = 1
+    monitor_ema: float = 0.1
+    sample_log: Optional[str] = None
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size"):
@@ -60,21 +75,32 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class StepTimes:
-    """Per-rank timings of one step, gathered through the gradient buckets' metric slots."""
+    """Per-rank timings of the previous step, gathered through the gradient buckets' slots."""
 
     step_time: np.ndarray      # seconds, one entry per rank
     compute_time: np.ndarray   # forward + backward (with communication launched inside)
     wait_time: np.ndarray      # waiting for the gradient allreduce to finish
-    samples: np.ndarray        # samples each rank trained on
+    samples: np.ndarray        # samples each rank trained on in this step
+
+
+def monitor_interval(cfg: TrainConfig, engine: Optional["PolicyEngine"]) -> int:
+    """Monitor on every step any consumer needs it: the gcd of the requested intervals."""
+    intervals = [cfg.monitor_interval] if cfg.monitors else []
+    if engine is not None:
+        intervals += [max(1, int(p.interval)) for p in engine.policies if p.requires]
+        if engine.lr_rule.rule == "adascale":
+            intervals.append(cfg.monitor_interval)
+    return functools.reduce(math.gcd, intervals) if intervals else cfg.monitor_interval
 
 
 class Trainer:
     """Owns model, optimizer, sampler and hyper-parameters; ``run()`` trains to the end.
 
     Hyper-parameters (``batch_size``, ``lr``, ``momentum``) are plain attributes that
-    policies change between steps; ``step`` and ``epoch`` say where training stands."""
+    decisions change between steps; ``step`` and ``epoch`` say where training stands."""
 
-    def __init__(self, cfg: TrainConfig, world: World, *, dataset: Optional[Dataset] = None):
+    def __init__(self, cfg: TrainConfig, world: World, *, dataset: Optional[Dataset] = None,
+                 engine: Optional["PolicyEngine"] = None):
         cfg.validate()
         self.cfg = cfg
         self.world = world
@@ -95,14 +121,32 @@ class Trainer:
         self.batch_size = cfg.batch_size
         self.lr = cfg.lr
         self.momentum = cfg.momentum
+        self.base_lr = cfg.lr
+        self.base_batch_size = cfg.batch_size
+        self.ramp = None
         self.step = 0
         self.epoch = 0
         self.sink = MetricsSink(cfg.metrics_file, enabled=world.rank == 0)
         self.last_loss = float("nan")
+        self.last_accuracy = float("nan")
         self.last_times: Optional[StepTimes] = None
         self.history: List[Dict[str, Any]] = []
+        self.engine = engine
+        monitors = list(dict.fromkeys(list(cfg.monitors) +
+                                      (engine.required_monitors if engine else [])))
+        self.monitor_cfg = MonitorConfig(tuple(monitors), monitor_interval(cfg, engine),
+                                         cfg.monitor_ema)
+        self.gns = GradientNoiseScale(cfg.monitor_ema)
+        self.monitored = False
+        self._prev_grads: Optional[List[torch.Tensor]] = None
         self._prev_local = (0.0, 0.0, 0.0)  # this rank's (step, compute, wait) of last step
+        self._step_time = 0.0
         self._bar = None
+        self._sample_file = None
+        if cfg.sample_log:
+            os.makedirs(cfg.sample_log, exist_ok=True)
+            self._sample_file = open(os.path.join(cfg.sample_log, f"samples-{os.getpid()}.jsonl"),
+                                     "a", encoding="utf-8")
 
     # -- metric slots ------------------------------------------------------------------
     def _extra_slots(self) -> int:
@@ -130,21 +174,127 @@ class Trainer:
 
     # -- hyper-parameters --------------------------------------------------------------
     def apply_hyperparameters(self) -> None:
+        if self.ramp is not None:
+            self.lr = self.ramp.lr_at(self.step)
+            if self.ramp.done(self.step):
+                self.ramp = None
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
             if "momentum" in group:
                 group["momentum"] = self.momentum
 
+    def apply_changes(self, changes: Dict[str, Any]) -> None:
+        """Apply a broadcast decision (identical on every rank) before the next step."""
+        from hpcadapt.policies.lr_rules import Ramp
+
+        if "batch_size" in changes:
+            self.batch_size = int(changes["batch_size"])
+        if "momentum" in changes:
+            self.momentum = float(changes["momentum"])
+        if "lr" in changes:
+            self.lr = float(changes["lr"])
+        if "base" in changes:
+            self.base_lr, self.base_batch_size = float(changes["base"][0]), int(changes["base"][1])
+        if "ramp" in changes:
+            r = changes["ramp"]
+            self.ramp = Ramp(int(r[0]), int(r[1]), float(r[2]), float(r[3])) if r else None
+            if self.ramp is not None and self.ramp.steps == 0:
+                self.lr, self.ramp = self.ramp.end_lr, None
+        if "world_size" in changes and int(changes["world_size"]) != self.world.size:
+            self.request_resize(int(changes["world_size"]), changes.get("reason", "policy"))
+
+    def request_resize(self, new_size: int, reason: str) -> None:
+        """The plain trainer cannot change its world; the elastic trainer overrides this."""
+        if self.world.rank == 0:
+            log.warning("resize to %d workers refused (%s): this trainer has no allocator; "
+                        "training goes on with %d", new_size, reason, self.world.size)
+
+    # -- monitoring --------------------------------------------------------------------
+    def _monitoring_step(self, step: int) -> bool:
+        return self.monitor_cfg.enabled and step % self.monitor_cfg.interval == 0
+
+    def _update_monitors(self, stats, global_count: int) -> None:
+        n = self.world.size
+        if n >= 2:
+            est = estimate_from_replicas(stats.local_sqnorm_mean, stats.global_sqnorm, n,
+                                         global_count)
+        else:
+            grads = self.optimizer.flat_gradients()
+            if self._prev_grads is None:
+                self._prev_grads = [g.clone() for g in grads]
+                return
+            est = estimate_from_consecutive(grads, self._prev_grads, global_count)
+        if not self.gns.update(est):
+            log.warning("step %d: non-finite gradient statistics skipped (|G|^2=%s, trS=%s)",
+                        self.step, est.grad_sq, est.trace_sigma)
+
+    def _keep_previous_gradients(self) -> None:
+        """At world size 1 the next monitored step needs this step's gradient."""
+        if self.world.size == 1 and self._monitoring_step(self.step + 1):
+            grads = self.optimizer.flat_gradients()
+            if self._prev_grads is None or len(self._prev_grads) != len(grads):
+                self._prev_grads = [g.clone() for g in grads]
+            else:
+                for dst, src in zip(self._prev_grads, grads):
+                    dst.copy_(src)
+        elif self.world.size > 1:
+            self._prev_grads = None
+
+    def step_monitors(self) -> Dict[str, Any]:
+        """Monitor values for this step's metrics line."""
+        out: Dict[str, Any] = {}
+        if self.monitored and self.gns.last is not None:
+            out.update(noise_scale=self.gns.noise_scale, grad_sq=self.gns.grad_sq,
+                       trace_sigma=self.gns.trace_sigma, grad_variance=self.gns.last.variance,
+                       grad_snr=self.gns.snr(self.batch_size))
+        if self.last_times is not None:
+            out.update(rank_step_time=self.last_times.step_time.round(6).tolist(),
+                       rank_compute_time=self.last_times.compute_time.round(6).tolist(),
+                       rank_wait_time=self.last_times.wait_time.round(6).tolist())
+        return out
+
+    def snapshot(self) -> "MetricsSnapshot":
+        from hpcadapt.policies.base import MetricsSnapshot
+
+        t = self.last_times
+        last = self.gns.last
+        return MetricsSnapshot(
+            step=self.step, epoch=self.epoch, world_size=self.world.size,
+            batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
+            base_lr=self.base_lr, base_batch_size=self.base_batch_size, loss=self.last_loss,
+            samples_per_s=(self._last_count / self._step_time) if self._step_time else float("nan"),
+            epoch_progress=self.sampler.cursor / self.sampler.num_samples,
+            test_accuracy=self.last_accuracy, monitored=self.monitored,
+            noise_scale=self.gns.noise_scale, grad_sq=self.gns.grad_sq,
+            trace_sigma=self.gns.trace_sigma,
+            grad_variance=last.variance if last else float("nan"),
+            grad_snr=self.gns.snr(self.batch_size),
+            step_time=tuple(t.step_time.tolist()) if t else (),
+            compute_time=tuple(t.compute_time.tolist()) if t else (),
+            wait_time=tuple(t.wait_time.tolist()) if t else (),
+            rank_samples=tuple(t.samples.tolist()) if t else (),
+            max_workers=self.max_workers(), cluster_version=self.world.cluster_version)
+
+    def max_workers(self) -> int:
+        return self.world.size
+
     # -- one step ----------------------------------------------------------------------
     def train_step(self) -> int:
         """Train on the next global batch; returns the number of samples it held."""
         t0 = time.perf_counter()
+        self.apply_hyperparameters()
         part = self.sampler.peek(self.batch_size, self.world.rank, self.world.size)
         opt = self.optimizer
+        self.monitored = self._monitoring_step(self.step + 1)
+        opt.track_grad_norms = self.monitored and self.world.size > 1
         opt.set_local_weight(part.weight)
         opt.zero_grad()
-        self.apply_hyperparameters()
         n_local = len(part.indices)
+        if self._sample_file is not None:
+            self._sample_file.write(json.dumps({"epoch": self.epoch, "step": self.step,
+                                                "rank": self.world.rank,
+                                                "size": self.world.size,
+                                                "indices": part.indices.tolist()}) + "\n")
         if n_local:
             idx = torch.from_numpy(part.indices)
             x, y = self.data.x_train[idx], self.data.y_train[idx]
@@ -156,6 +306,9 @@ class Trainer:
         t1 = time.perf_counter()
         stats = opt.synchronize()
         t2 = time.perf_counter()
+        if self.monitored:
+            self._update_monitors(stats, part.global_count)
+        self._keep_previous_gradients()
         opt.optimizer.step()
         self.sampler.advance(part.global_count)
         self.step += 1
@@ -163,6 +316,7 @@ class Trainer:
         self._prev_local = (t3 - t0, t1 - t0, t2 - t1)
         self._read_extras(stats.extras, part.global_count)
         self._step_time = t3 - t0
+        self._last_count = part.global_count
         return part.global_count
 
     # -- evaluation --------------------------------------------------------------------
@@ -192,21 +346,22 @@ class Trainer:
                          monitors=self.step_monitors())
         self.sink.write(rec)
 
-    def step_monitors(self) -> Dict[str, float]:
-        """Extra values for the step line (policies and monitors add theirs)."""
-        return {}
-
     def _done(self) -> bool:
         return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
 
+    def _hook(self, name: str) -> None:
+        if self.engine is not None and self.engine.active:
+            self.engine.run(name, self)
+
     def run(self) -> Dict[str, Any]:
         """Train until the epoch budget (or ``max_steps``) is spent; returns the summary."""
-        self.before_train()
+        self._last_count = 0
+        self._hook("before_train")
         accuracy = float("nan")
         while self.epoch < self.cfg.epochs and not self._done():
-            if self.sampler.cursor == 0 or self.sampler.epoch != self.epoch:
+            if self.sampler.epoch != self.epoch:
                 self.sampler.set_epoch(self.epoch)
-            self.before_epoch()
+            self._hook("before_epoch")
             t_epoch = time.perf_counter()
             samples = 0
             losses = []
@@ -220,10 +375,14 @@ class Trainer:
                     self._bar.update(count)
                     self._bar.set_postfix(loss=f"{self.last_loss:.3f}", bs=self.batch_size,
                                           n=self.world.size, refresh=False)
-                self.after_step()
+                if self.engine is not None and self.engine.active and \
+                        self.engine.due(self.step, self.monitored):
+                    self.engine.run("after_step", self)
+                self.between_steps()
             self._close_bar()
             elapsed = time.perf_counter() - t_epoch
             accuracy = self.evaluate()
+            self.last_accuracy = accuracy
             rec = EpochRecord(step=self.step, epoch=self.epoch, world_size=self.world.size,
                               batch_size=self.batch_size, lr=self.lr,
                               loss=float(np.mean(losses)) if losses else float("nan"),
@@ -237,21 +396,20 @@ class Trainer:
                 log.info("epoch %d: loss %.4f, test accuracy %.4f, %.0f samples/s, "
                          "batch %d on %d workers", self.epoch, rec.loss, accuracy,
                          rec.samples_per_s, self.batch_size, self.world.size)
-            if self.sampler.epoch_done:
+            finished_epoch = self.sampler.epoch_done
+            self._hook("after_epoch")
+            if finished_epoch:
                 self.epoch += 1
                 self.sampler.set_epoch(self.epoch)
-            self.after_epoch()
-        self.after_train()
+        self._hook("after_train")
         self.sink.close()
+        if self._sample_file is not None:
+            self._sample_file.close()
         return {"final_test_accuracy": accuracy, "steps": self.step, "epochs": self.epoch,
-                "world_size": self.world.size}
+                "world_size": self.world.size, "batch_size": self.batch_size, "lr": self.lr}
 
-    # Hooks for the policy engine; the plain trainer does nothing at these points.
-    def before_train(self) -> None: ...
-    def before_epoch(self) -> None: ...
-    def after_step(self) -> None: ...
-    def after_epoch(self) -> None: ...
-    def after_train(self) -> None: ...
+    def between_steps(self) -> None:
+        """A step boundary after the engine ran; the elastic trainer resizes here."""
 
     def _open_bar(self) -> None:
         if self.cfg.progress and self.world.rank == 0:

@@ -1,1 +1,83 @@
-"""Adaptation policies (``hpcadapt.policies``)."""
+"""Adaptation policies (``hpcadapt.policies``): the base class, the registry that maps a
+``--policy`` name to a class, and the built-in policies."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Dict, List, Type
+
+from hpcadapt.errors import ConfigurationError
+
+from .base import Decision, MetricsSnapshot, Param, Policy
+from .gns_batch import GNSBatchSize
+from .lr_rules import LR_RULES, RULE_PARAMS, LRRule, Ramp
+from .schedule import Schedule
+
+__all__ = ["Policy", "Decision", "MetricsSnapshot", "Param", "POLICIES", "register",
+           "GNSBatchSize", "Schedule", "LRRule", "Ramp", "LR_RULES",
+           "add_policy_arguments", "build_policies", "build_lr_rule"]
+
+POLICIES: Dict[str, Type[Policy]] = {}
+
+
+def register(cls: Type[Policy]) -> Type[Policy]:
+    """Make a policy available as ``--policy NAME`` with its ``--NAME-PARAM`` flags."""
+    if not cls.name:
+        raise ConfigurationError(f"{cls.__name__} has no name")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+for _cls in (GNSBatchSize, Schedule):
+    register(_cls)
+
+
+def _dest(policy: str, param: str) -> str:
+    return f"{policy}_{param}".replace("-", "_")
+
+
+def _argparse_type(parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--policy NAME`` (repeatable, order kept), every policy's flags, and the
+    learning-rate rule's flags, each group listed by ``--help`` with its defaults."""
+    parser.add_argument("--policy", action="append", default=[], choices=sorted(POLICIES),
+                        help="adaptation policy to run (repeatable; they run in the order "
+                             f"given): {', '.join(sorted(POLICIES))}")
+    for name in sorted(POLICIES):
+        cls = POLICIES[name]
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        group = parser.add_argument_group(f"policy {name}", doc or None)
+        for p in cls.params:
+            group.add_argument(f"--{name}-{p.name}", dest=_dest(name, p.name),
+                               type=_argparse_type(p.parse), default=p.default, help=p.help)
+    group = parser.add_argument_group("learning-rate rule on batch changes")
+    for p in RULE_PARAMS:
+        group.add_argument(f"--{p.name}", dest=p.name.replace("-", "_"),
+                           type=_argparse_type(p.parse), default=p.default, help=p.help)
+
+
+def build_policies(args: argparse.Namespace) -> List[Policy]:
+    """Instantiate the ``--policy`` list in order; ConfigurationError names the bad one."""
+    out: List[Policy] = []
+    for name in args.policy:
+        cls = POLICIES.get(name)
+        if cls is None:
+            raise ConfigurationError(
+                f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}")
+        options = {p.name.replace("-", "_"): getattr(args, _dest(name, p.name))
+                   for p in cls.params}
+        out.append(cls(**options))
+    return out
+
+
+def build_lr_rule(args: argparse.Namespace) -> LRRule:
+    return LRRule(args.lr_rule, args.lr_ramp_steps)

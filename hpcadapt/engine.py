@@ -1,0 +1,190 @@
+"""The policy engine: policies decide on rank 0, the decision is broadcast, and every rank
+applies it at the same step boundary.
+
+How decisions combine: policies run in the order given on the command line. Each sees the
+snapshot with the changes of the policies before it already applied, and a later policy's
+value for a field replaces an earlier one's (last writer wins, field by field). After the
+policies, if the batch size changed and no policy set the learning rate, the learning-rate
+rule sets it (with its ramp); an explicit learning rate from a policy wins over the rule and
+becomes the new base (base_lr at the current batch). A policy that raises, or returns a value
+that cannot be applied, is logged on rank 0 and its decision discarded; a policy whose inputs
+are NaN or infinite skips the step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .errors import ConfigurationError, PolicyError
+from .metrics import DecisionRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .trainer import Trainer
+
+from hpcadapt.policies.base import Decision, MetricsSnapshot, Policy
+from hpcadapt.policies.lr_rules import LRRule, Ramp
+
+__all__ = ["PolicyEngine"]
+
+log = logging.getLogger(__name__)
+
+HOOKS = ("before_train", "before_epoch", "after_step", "after_epoch", "after_train")
+
+
+class PolicyEngine:
+    def __init__(self, policies: Sequence[Policy], lr_rule: Optional[LRRule] = None):
+        self.policies = list(policies)
+        self.lr_rule = lr_rule or LRRule("none", 0)
+        self._warned: set = set()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.policies) or self.lr_rule.rule == "adascale"
+
+    @property
+    def required_monitors(self) -> List[str]:
+        need = {m for p in self.policies for m in p.requires}
+        if self.lr_rule.rule == "adascale":
+            need.add("gns")
+        return sorted(need)
+
+    @property
+    def intervals(self) -> List[int]:
+        return [max(1, int(p.interval)) for p in self.policies]
+
+    def due(self, step: int, monitored: bool) -> bool:
+        """Whether ``after_step`` has work at this step (else no broadcast is made)."""
+        if any(step % i == 0 for i in self.intervals):
+            return True
+        return self.lr_rule.rule == "adascale" and monitored
+
+    # -- deciding (rank 0) ---------------------------------------------------------------
+    def decide(self, hook: str, snap: MetricsSnapshot, **extra: Any) -> List[Decision]:
+        """Run the hook of every policy in order; return the decisions kept."""
+        kept: List[Decision] = []
+        pending: Dict[str, Any] = {}
+        for policy in self.policies:
+            if hook == "after_step" and snap.step % max(1, int(policy.interval)) != 0:
+                continue
+            view = snap.with_changes(pending)
+            overridden = getattr(type(policy), hook) is not getattr(Policy, hook)
+            if not overridden:
+                continue
+            bad = [n for n in policy.reads if isinstance(getattr(view, n), float)
+                   and not math.isfinite(getattr(view, n))]
+            if bad:
+                self._skip(policy, snap, bad)
+                continue
+            try:
+                d = getattr(policy, hook)(view, **extra) if extra else getattr(policy, hook)(view)
+                if d is None:
+                    continue
+                if not isinstance(d, Decision):
+                    raise PolicyError(f"returned {type(d).__name__}, not a Decision")
+                d.validate()
+            except Exception:  # a policy's failure must never stop training
+                log.exception("policy %s failed in %s at step %d; decision discarded, training "
+                              "goes on with the current configuration", policy.name, hook, snap.step)
+                continue
+            if not d.policy:
+                d = replace(d, policy=policy.name)
+            if d.changes():
+                kept.append(d)
+                pending.update(d.changes())
+        new_batch = pending.get("batch_size")
+        if new_batch is not None and new_batch != snap.batch_size and "lr" not in pending:
+            rule = self.lr_rule.on_change(snap.with_changes(
+                {k: v for k, v in pending.items() if k != "batch_size"}), new_batch)
+            if rule is not None:
+                kept.append(rule)
+        elif hook == "after_step" and not pending:
+            rule = self.lr_rule.on_monitor(snap)
+            if rule is not None:
+                kept.append(rule)
+        return kept
+
+    def _skip(self, policy: Policy, snap: MetricsSnapshot, bad: List[str]) -> None:
+        level = logging.DEBUG if policy.name in self._warned else logging.WARNING
+        self._warned.add(policy.name)
+        log.log(level, "policy %s skips step %d: %s not finite (%s)", policy.name, snap.step,
+                ", ".join(bad), ", ".join(f"{n}={getattr(snap, n)}" for n in bad))
+
+    def plan(self, decisions: List[Decision], snap: MetricsSnapshot) -> Dict[str, Any]:
+        """The changes every rank applies, as plain JSON-able values."""
+        changes: Dict[str, Any] = {}
+        explicit_lr = None
+        rule_lr = None
+        for d in decisions:
+            for k, v in d.changes().items():
+                changes[k] = v
+            if d.lr is not None:
+                if d.policy.startswith("lr-rule"):
+                    rule_lr = d.lr
+                else:
+                    explicit_lr = d.lr
+        if explicit_lr is not None:
+            changes["lr"] = explicit_lr
+            changes["base"] = [explicit_lr, changes.get("batch_size", snap.batch_size)]
+            changes["ramp"] = None
+        elif rule_lr is not None:
+            steps = self.lr_rule.ramp_steps if "batch_size" in changes else 0
+            changes.pop("lr", None)
+            changes["ramp"] = [snap.step, steps, snap.lr, rule_lr]
+        return changes
+
+    # -- running a hook on every rank ------------------------------------------------------
+    def run(self, hook: str, trainer: "Trainer", **extra: Any) -> Dict[str, Any]:
+        """Decide on rank 0, broadcast, apply everywhere; returns the applied changes."""
+        w = trainer.world
+        decisions: List[Decision] = []
+        snap = None
+        if w.rank == 0:
+            snap = trainer.snapshot()
+            decisions = self.decide(hook, snap, **extra)
+            changes = self.plan(decisions, snap) if decisions else {}
+        else:
+            changes = {}
+        changes = _broadcast_json(changes, w.comm)
+        if changes:
+            trainer.apply_changes(changes)
+        if w.rank == 0 and decisions:
+            for d in decisions:
+                trainer.sink.write(DecisionRecord(
+                    step=snap.step, epoch=snap.epoch, policy=d.policy, changes=d.changes(),
+                    reason=d.reason, metrics=d.metrics, world_size=w.size,
+                    batch_size=trainer.batch_size, lr=trainer.lr))
+                log.info("decision at step %d by %s: %s (%s)", snap.step, d.policy,
+                         d.changes(), d.reason)
+                for p in self.policies:
+                    p.on_decision(d, snap)
+        return changes
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {p.name: p.state_dict() for p in self.policies}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for p in self.policies:
+            if p.name in state:
+                p.load_state_dict(state[p.name])
+
+
+def _broadcast_json(obj: Dict[str, Any], comm) -> Dict[str, Any]:
+    """Broadcast a small JSON document from rank 0: a length, then the bytes if any.
+
+    JSON, not pickle: nothing but plain values can come out of it."""
+    if comm.Get_size() == 1:
+        return obj
+    payload = json.dumps(obj).encode() if (comm.Get_rank() == 0 and obj) else b""
+    n = np.array([len(payload)], dtype=np.int64)
+    comm.Bcast(n, root=0)
+    if n[0] == 0:
+        return {}
+    buf = np.frombuffer(payload, dtype=np.uint8).copy() if comm.Get_rank() == 0 \
+        else np.empty(int(n[0]), dtype=np.uint8)
+    comm.Bcast(buf, root=0)
+    return json.loads(buf.tobytes().decode())

@@ -1,0 +1,150 @@
+"""The Policy base class, its typed inputs (MetricsSnapshot) and outputs (Decision), and
+the declaration of a policy's command-line parameters.
+
+Policies are pure decision makers: they run on rank 0 only, read an aggregated snapshot,
+keep their own state, call no collectives and hold no globals. The engine communicates."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple
+
+from hpcadapt.errors import ConfigurationError
+
+__all__ = ["MetricsSnapshot", "Decision", "Param", "Policy"]
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What rank 0 knows at a step boundary, aggregated over all ranks.
+
+    Per-rank tuples are indexed by rank. Gradient statistics are NaN on steps that did
+    not monitor them (``monitored`` says which)."""
+
+    step: int
+    epoch: int
+    world_size: int
+    batch_size: int
+    lr: float
+    momentum: float
+    base_lr: float
+    base_batch_size: int
+    loss: float = float("nan")
+    samples_per_s: float = float("nan")
+    epoch_progress: float = 0.0
+    test_accuracy: float = float("nan")
+    monitored: bool = False
+    noise_scale: float = float("nan")
+    grad_sq: float = float("nan")
+    trace_sigma: float = float("nan")
+    grad_variance: float = float("nan")
+    grad_snr: float = float("nan")
+    step_time: Tuple[float, ...] = ()
+    compute_time: Tuple[float, ...] = ()
+    wait_time: Tuple[float, ...] = ()
+    rank_samples: Tuple[float, ...] = ()
+    max_workers: int = 1
+    cluster_version: int = 0
+
+    def with_changes(self, changes: Dict[str, Any]) -> "MetricsSnapshot":
+        """The snapshot as the next policy in line sees it: earlier decisions applied."""
+        own = {f.name for f in fields(self)}
+        return replace(self, **{k: v for k, v in changes.items() if k in own})
+
+    def values(self, names: Sequence[str]) -> Dict[str, float]:
+        return {n: getattr(self, n) for n in names}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A change of configuration, why it was made, and the metric values behind it.
+
+    Fields left as None are not changed. ``world_size`` asks for a resize."""
+
+    reason: str
+    batch_size: Optional[int] = None
+    lr: Optional[float] = None
+    momentum: Optional[float] = None
+    world_size: Optional[int] = None
+    metrics: Dict[str, float] = field(default_factory=dict)
+    policy: str = ""
+
+    CHANGE_FIELDS: ClassVar[Tuple[str, ...]] = ("batch_size", "lr", "momentum", "world_size")
+
+    def changes(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in self.CHANGE_FIELDS if getattr(self, k) is not None}
+
+    def validate(self) -> None:
+        """Raise ConfigurationError if a value cannot be applied."""
+        if self.batch_size is not None and (int(self.batch_size) != self.batch_size
+                                            or self.batch_size < 1):
+            raise ConfigurationError(f"batch_size must be a positive integer, got {self.batch_size}")
+        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigurationError(f"lr must be positive and finite, got {self.lr}")
+        if self.momentum is not None and not (0 <= self.momentum < 1):
+            raise ConfigurationError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.world_size is not None and (int(self.world_size) != self.world_size
+                                            or self.world_size < 1):
+            raise ConfigurationError(f"world_size must be a positive integer, got {self.world_size}")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tunable parameter of a policy; it becomes the flag ``--<policy>-<name>``.
+
+    ``parse`` turns the flag's text into a value and raises ValueError with a message that
+    says the valid range or choices."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+
+
+class Policy:
+    """Base of every adaptation policy.
+
+    Subclasses set ``name`` (the ``--policy`` value) and ``params``, accept the params as
+    keyword arguments, and override the hooks they need. A hook returns a Decision or None.
+    ``interval``: the engine calls ``after_step`` only every ``interval`` steps.
+    ``requires``: monitors the policy needs (e.g. "gns"), switched on for it.
+    ``reads``: snapshot fields that must be finite for the policy to run this step."""
+
+    name: ClassVar[str] = ""
+    params: ClassVar[Tuple[Param, ...]] = ()
+    requires: ClassVar[Tuple[str, ...]] = ()
+    reads: ClassVar[Tuple[str, ...]] = ()
+    interval: int = 1
+
+    def before_train(self, snap: MetricsSnapshot) -> Optional[Decision]:
+        return None
+
+    def before_epoch(self, snap: MetricsSnapshot) -> Optional[Decision]:
+        return None
+
+    def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
+        return None
+
+    def after_epoch(self, snap: MetricsSnapshot) -> Optional[Decision]:
+        return None
+
+    def after_train(self, snap: MetricsSnapshot) -> Optional[Decision]:
+        return None
+
+    def on_resize(self, old_size: int, new_size: int, snap: MetricsSnapshot) -> Optional[Decision]:
+        return None
+
+    def on_decision(self, decision: Decision, snap: MetricsSnapshot) -> None:
+        """Told of every decision that was applied (from any policy), e.g. to start a cooldown."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass
+
+    def decision(self, reason: str, snap: MetricsSnapshot, **changes: Any) -> Decision:
+        """A Decision from this policy with the metric values it read attached."""
+        return Decision(reason=reason, policy=self.name, metrics=snap.values(self.reads),
+                        **changes)

@@ -1,0 +1,84 @@
+"""Parsers for policy flags: each raises ValueError naming the rule the value broke."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Sequence, Tuple
+
+__all__ = ["positive_int", "non_negative_int", "positive_float", "float_above", "fraction",
+           "choice", "step_map"]
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise ValueError(f"must be a positive integer (>= 1), got {v}")
+    return v
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise ValueError(f"must be >= 0, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"must be a positive finite number, got {text}")
+    return v
+
+
+def float_above(bound: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        v = positive_float(text)
+        if not v > bound:
+            raise ValueError(f"must be greater than {bound}, got {v}")
+        return v
+    return parse
+
+
+def fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"must be in [0, 1], got {v}")
+    return v
+
+
+def choice(options: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}; got {text!r}")
+        return text
+    return parse
+
+
+def step_map(value: Callable[[str], object]) -> Callable[[str], List[Tuple[int, object]]]:
+    """``AT:VALUE,AT:VALUE`` with increasing non-negative AT, e.g. ``0:32,200:64``."""
+    def parse(text: str) -> List[Tuple[int, object]]:
+        if not text.strip():
+            return []
+        out: List[Tuple[int, object]] = []
+        for item in text.split(","):
+            at, sep, val = item.partition(":")
+            if not sep:
+                raise ValueError(f"expected AT:VALUE pairs like 0:32,200:64; got {item!r}")
+            point = non_negative_int(at.strip())
+            if out and point <= out[-1][0]:
+                raise ValueError(f"points must increase; {point} follows {out[-1][0]}")
+            out.append((point, value(val.strip())))
+        return out
+    return parse
