@@ -1,0 +1,200 @@
+"""Policies and the engine's decision logic, without MPI."""
+
+import math
+
+import pytest
+
+from hpcadapt import ConfigurationError
+from hpcadapt.engine import PolicyEngine
+from hpcadapt.policies import (Decision, GNSBatchSize, LRRule, MetricsSnapshot, Policy, Ramp,
+                               Schedule)
+from hpcadapt.train import build_parser
+
+
+def snap(**kw):
+    base = dict(step=100, epoch=1, world_size=2, batch_size=32, lr=0.1, momentum=0.9,
+                base_lr=0.1, base_batch_size=32, noise_scale=100.0, grad_sq=1.0,
+                trace_sigma=100.0, monitored=True)
+    base.update(kw)
+    return MetricsSnapshot(**base)
+
+
+# -- gns-batch ----------------------------------------------------------------------------
+def test_gns_batch_grows_when_noise_scale_exceeds_batch():
+    p = GNSBatchSize(min=16, max=1024, factor=2.0, cooldown=0, warmup=0)
+    d = p.after_step(snap(noise_scale=100.0, batch_size=32))
+    assert d.batch_size == 64 and d.policy == "gns-batch"
+    assert d.metrics["noise_scale"] == 100.0 and "exceeds" in d.reason
+    assert p.after_step(snap(noise_scale=20.0, batch_size=32)) is None
+
+
+def test_gns_batch_clips_to_max_and_respects_cooldown_and_warmup():
+    p = GNSBatchSize(min=16, max=48, factor=2.0, cooldown=30, warmup=50)
+    assert p.after_step(snap(step=40)) is None  # warm-up
+    d = p.after_step(snap(step=60))
+    assert d.batch_size == 48
+    p.on_decision(d, snap(step=60))
+    assert p.after_step(snap(step=80)) is None  # cooldown
+    assert p.after_step(snap(step=90, batch_size=48)) is None  # at max
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(min=64, max=32), "--gns-batch-min .* must not exceed --gns-batch-max"),
+    (dict(factor=1.0), "--gns-batch-factor"),
+])
+def test_gns_batch_bad_settings(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        GNSBatchSize(**kwargs)
+
+
+# -- schedule ----------------------------------------------------------------------------
+def test_schedule_by_step_fires_each_point_once():
+    p = Schedule(unit="step", batch=[(0, 16), (10, 64)], lr=[(10, 0.2)])
+    assert p.before_train(snap(step=0)).batch_size == 16
+    assert p.after_step(snap(step=5)) is None
+    d = p.after_step(snap(step=10))
+    assert (d.batch_size, d.lr) == (64, 0.2)
+    assert p.after_step(snap(step=11)) is None
+
+
+def test_schedule_by_epoch():
+    p = Schedule(unit="epoch", batch=[(2, 128)])
+    assert p.before_epoch(snap(epoch=1)) is None
+    assert p.before_epoch(snap(epoch=2)).batch_size == 128
+
+
+def test_schedule_needs_something():
+    with pytest.raises(ConfigurationError, match="--schedule-batch"):
+        Schedule()
+
+
+# -- learning-rate rules -------------------------------------------------------------------
+@pytest.mark.parametrize("rule,expect", [("linear", 0.4), ("sqrt", 0.2), ("none", None)])
+def test_lr_rules(rule, expect):
+    d = LRRule(rule, 8).on_change(snap(batch_size=32), 128)
+    if expect is None:
+        assert d is None
+    else:
+        assert d.lr == pytest.approx(expect)
+
+
+def test_adascale_gain_ratio():
+    s = snap(grad_sq=1.0, trace_sigma=32.0 * 3.0)  # s2 = trS / B0 = 3, m2 = 1
+    lr = LRRule("adascale").target(s, 128)  # scale 4: r = (3 + 1) / (3/4 + 1)
+    assert lr == pytest.approx(0.1 * 4 / 1.75)
+    # no usable estimate: r = 1
+    assert LRRule("adascale").target(snap(grad_sq=float("nan")), 128) == pytest.approx(0.1)
+
+
+def test_ramp_follows_lin_et_al():
+    r = Ramp(start_step=10, steps=8, start_lr=0.1, end_lr=0.4)  # k = 4
+    assert r.lr_at(10) == pytest.approx(0.1)
+    assert r.lr_at(14) == pytest.approx(0.1 * (1 + 4 / 8 * 3))
+    assert r.lr_at(18) == pytest.approx(0.4) and r.done(18)
+
+
+# -- the engine ---------------------------------------------------------------------------
+class Fixed(Policy):
+    name = "fixed"
+
+    def __init__(self, **changes):
+        self.changes = changes
+
+    def after_step(self, s):
+        return Decision(reason="fixed", **self.changes)
+
+
+class Boom(Policy):
+    name = "boom"
+
+    def after_step(self, s):
+        raise RuntimeError("policy bug")
+
+
+class Reader(Policy):
+    name = "reader"
+    reads = ("noise_scale",)
+
+    def after_step(self, s):
+        return Decision(reason="read", batch_size=999)
+
+
+def test_later_policy_wins_and_rule_follows_batch_change():
+    eng = PolicyEngine([Fixed(batch_size=64), Fixed(batch_size=128)], LRRule("linear", 4))
+    decisions = eng.decide("after_step", snap())
+    plan = eng.plan(decisions, snap())
+    assert plan["batch_size"] == 128
+    assert plan["ramp"] == [100, 4, 0.1, pytest.approx(0.4)]
+
+
+def test_explicit_lr_beats_the_rule_and_becomes_base():
+    eng = PolicyEngine([Fixed(batch_size=64, lr=0.05)], LRRule("linear", 4))
+    plan = eng.plan(eng.decide("after_step", snap()), snap())
+    assert plan["lr"] == 0.05 and plan["base"] == [0.05, 64] and plan["ramp"] is None
+
+
+def test_raising_policy_is_discarded_others_still_run(caplog):
+    eng = PolicyEngine([Boom(), Fixed(momentum=0.5)])
+    decisions = eng.decide("after_step", snap())
+    assert [d.changes() for d in decisions] == [{"momentum": 0.5}]
+    assert "policy bug" in caplog.text and "discarded" in caplog.text
+
+
+def test_invalid_decision_is_discarded(caplog):
+    eng = PolicyEngine([Fixed(batch_size=0), Fixed(lr=float("nan"))])
+    assert eng.decide("after_step", snap()) == []
+    assert "batch_size must be a positive integer" in caplog.text
+
+
+def test_nan_metric_skips_the_policy(caplog):
+    eng = PolicyEngine([Reader()])
+    assert eng.decide("after_step", snap(noise_scale=float("nan"))) == []
+    assert "skips step 100" in caplog.text
+    assert eng.decide("after_step", snap())[0].batch_size == 999
+
+
+# -- flags ---------------------------------------------------------------------------------
+def parse_error(args, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(args)
+    return capsys.readouterr().err
+
+
+def test_policy_flags_parse_in_order():
+    a = build_parser().parse_args(["--policy", "schedule", "--policy", "gns-batch",
+                                   "--gns-batch-max", "512", "--schedule-batch", "0:16,100:32",
+                                   "--lr-rule", "sqrt"])
+    assert a.policy == ["schedule", "gns-batch"]
+    assert a.gns_batch_max == 512 and a.schedule_batch == [(0, 16), (100, 32)]
+    assert a.lr_rule == "sqrt"
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--policy", "magic"], "invalid choice: 'magic'"),
+    (["--gns-batch-min", "-3"], "--gns-batch-min"),
+    (["--gns-batch-factor", "0.5"], "greater than 1.0"),
+    (["--lr-rule", "cubic"], "none, linear, sqrt, adascale"),
+    (["--schedule-batch", "10:32,5:64"], "points must increase"),
+])
+def test_bad_policy_flags_name_the_flag_and_rule(capsys, args, words):
+    assert words in parse_error(args, capsys)
+
+
+def test_min_above_max_is_a_startup_error():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "hpcadapt.train", "--policy", "gns-batch",
+                          "--gns-batch-min", "512", "--gns-batch-max", "64"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--gns-batch-min (512) must not exceed --gns-batch-max (64)" in out.stderr
+
+
+def test_help_lists_every_policy_and_flag_with_defaults():
+    text = build_parser().format_help()
+    for flag in ("--policy", "--gns-batch-min", "--gns-batch-max", "--gns-batch-factor",
+                 "--gns-batch-cooldown", "--gns-batch-interval", "--schedule-batch",
+                 "--schedule-lr", "--lr-rule", "--lr-ramp-steps"):
+        assert flag in text
+    assert "(default: 1024)" in text
