@@ -1,80 +1,62 @@
 #!/usr/bin/env python3
-"""hpcadapt's benchmark suite: ``python benchmarks/run.py NAME [--json PATH]``.
+"""hpcadapt's benchmark suite: ``python benchmarks/run.py NAME [--json PATH] [options]``.
 
-The runner starts the MPI ranks itself, collects the worker's JSON (whose top level has a
-"ratios" object), prints a table and writes the JSON where asked."""
+Each benchmark is a driver (``driver_<name>.py`` with ``run(argv) -> dict``) that starts
+its own MPI ranks; its result's top level has a "ratios" object. The runner prints a table
+and writes the JSON where asked."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-# name -> (worker script, ranks, extra args, what it measures)
-BENCHMARKS: Dict[str, dict] = {
-    "allreduce": {"script": "bench_allreduce.py", "ranks": 2,
-                  "about": "allreduce throughput: hpcadapt vs mpi4py vs gloo"},
-    "ddp": {"script": "bench_ddp.py", "ranks": 2,
-            "about": "training throughput: hpcadapt vs torch DDP (gloo)"},
+BENCHMARKS = {
+    "allreduce": ("driver_simple", "allreduce throughput: hpcadapt vs mpi4py vs gloo"),
+    "ddp": ("driver_simple", "training throughput: hpcadapt vs torch DDP (gloo)"),
+    "monitor-overhead": ("driver_simple", "throughput with gradient monitors on vs off"),
+    "adaptive-batch": ("driver_adaptive", "time to accuracy: small, large and gns-batch"),
 }
-
-
-def mpiexec() -> str:
-    local = Path(sys.executable).parent / "mpiexec"
-    return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
-def run_one(name: str, extra: List[str]) -> dict:
-    spec = BENCHMARKS[name]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [mpiexec(), "-n", str(spec["ranks"]), sys.executable, str(HERE / spec["script"]),
-               "--out", out] + extra
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-        proc = subprocess.run(cmd, env=env, timeout=3600)
-        if proc.returncode != 0:
-            raise SystemExit(f"benchmark {name} failed (exit {proc.returncode}): {' '.join(cmd)}")
-        with open(out, encoding="utf-8") as f:
-            return json.load(f)
 
 
 def print_table(result: dict) -> None:
     print(f"\n== {result['benchmark']} ==")
-    rows = result.get("rows", {})
-    for label, row in rows.items():
+    for label, row in result.get("rows", {}).items():
         cells = []
         for k, v in row.items():
             if isinstance(v, dict):
-                cells.append(f"{k}: " + ", ".join(f"{m}={x:.4g}" for m, x in v.items()))
+                cells.append(f"{k}: " + ", ".join(
+                    f"{m}={x:.4g}" if isinstance(x, (int, float)) else f"{m}={x}"
+                    for m, x in v.items()))
             else:
-                cells.append(f"{k}={v}")
-        print(f"  {label:>10}  " + " | ".join(cells))
+                cells.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+        print(f"  {label:>12}  " + " | ".join(cells))
     print("  ratios:")
     for k, v in result["ratios"].items():
-        print(f"    {k:<45} {v:8.3f}")
+        print(f"    {k:<45} {v:10.4f}" if v is not None else f"    {k:<45}        n/a")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="benchmarks: " + "; ".join(
+                                     f"{k}: {v[1]}" for k, v in BENCHMARKS.items()))
     ap.add_argument("name", choices=sorted(BENCHMARKS) + ["all"])
     ap.add_argument("--json", default=None, help="write the result JSON here")
     args, extra = ap.parse_known_args(argv)
-    names = sorted(BENCHMARKS) if args.name == "all" else [args.name]
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
     results = {}
     for name in names:
-        result = run_one(name, extra)
+        driver = importlib.import_module(BENCHMARKS[name][0])
+        result = driver.run(name, extra)
         print_table(result)
         results[name] = result
+        sys.stdout.flush()
     if args.json:
         payload = results[names[0]] if len(names) == 1 else {
             "benchmarks": results,
