@@ -26,6 +26,13 @@ def as_buffer(x: Array, *, reduce: bool = False) -> Tuple[np.ndarray, Callable[[
     Contiguous arrays and CPU tensors are shared, so write-back does nothing; a
     non-contiguous input is copied into a contiguous buffer and copied back after.
     Raises CommunicationError for tensors off the CPU and dtypes MPI cannot carry."""
+    cached = _views.get(id(x))
+    if (cached is not None and cached[0]() is x and cached[1] == x.data_ptr()
+            and cached[2] == x.shape):
+        # the hot path: a tensor seen before, already checked
+        if reduce and not cached[4]:
+            _check_reducible(cached[3])
+        return cached[3], _nothing
     if isinstance(x, torch.Tensor):
         if not x.is_cpu:
             raise CommunicationError(
@@ -33,16 +40,12 @@ def as_buffer(x: Array, *, reduce: bool = False) -> Tuple[np.ndarray, Callable[[
                 "CUDA tensors travel through hpcadapt.cuda (NCCL)")
         if x.dtype == torch.bfloat16:
             raise CommunicationError("bfloat16 tensors cannot travel over MPI; cast to float32")
-        cached = _views.get(id(x))
-        if (cached is not None and cached[0]() is x and cached[1] == x.data_ptr()
-                and cached[2] == x.shape):
-            view, done = cached[3], _nothing
-        elif x.is_contiguous():
+        if x.is_contiguous():
             view = (x.detach() if x.requires_grad else x).numpy()
             done = _nothing
             key = id(x)
             _views[key] = (weakref.ref(x, lambda _, k=key: _views.pop(k, None)),
-                           x.data_ptr(), x.shape, view)
+                           x.data_ptr(), x.shape, view, view.dtype in _REDUCIBLE)
         else:
             t = x.detach()
             tmp = t.contiguous()
@@ -63,10 +66,15 @@ def as_buffer(x: Array, *, reduce: bool = False) -> Tuple[np.ndarray, Callable[[
     else:
         raise CommunicationError(
             f"expected a numpy array or a torch tensor, got {type(x).__name__}")
-    if reduce and view.dtype not in _REDUCIBLE:
+    if reduce:
+        _check_reducible(view)
+    return view, done
+
+
+def _check_reducible(view: np.ndarray) -> None:
+    if view.dtype not in _REDUCIBLE:
         raise CommunicationError(f"dtype {view.dtype} cannot be reduced over MPI; "
                                  f"use one of {sorted(str(d) for d in _REDUCIBLE)}")
-    return view, done
 
 
 # Making a numpy view of a tensor costs microseconds per call; tensors that travel every

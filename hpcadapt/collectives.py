@@ -17,6 +17,7 @@ from mpi4py import MPI
 from . import config
 from .buffers import Array, as_buffer, layout_signature
 from .errors import CommunicationError
+from . import runtime as _runtime
 from .runtime import World, world as current_world
 
 __all__ = [
@@ -35,8 +36,8 @@ class ReduceOp(enum.Enum):
     MAX = "max"
 
 
-_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM,
-            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}
+# keyed by the enum's value: hashing a str is cheaper than hashing an Enum member
+_MPI_OPS = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 
 
 class Handle:
@@ -105,7 +106,7 @@ class MPICommunicator:
         buf, write_back = as_buffer(x, reduce=True)
         self._check_layout("allreduce", buf)
         size = self.size
-        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op._value_])
 
         def finish() -> Array:
             if op is ReduceOp.AVERAGE and size > 1:
@@ -148,8 +149,9 @@ class MPICommunicator:
     def allreduce(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Array:
         op = _reduce_op(op)
         buf, write_back = as_buffer(x, reduce=True)
-        self._check_layout("allreduce", buf)
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+        if self._check:
+            self._check_layout("allreduce", buf)
+        self._world.comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op._value_])
         if op is ReduceOp.AVERAGE and self.size > 1:
             if np.issubdtype(buf.dtype, np.integer):
                 np.floor_divide(buf, self.size, out=buf)
@@ -197,7 +199,7 @@ def check_same_layout(comm: MPI.Intracomm, items: Sequence, *, what: str) -> Non
 
 
 def _reduce_op(op: Any) -> ReduceOp:
-    if isinstance(op, ReduceOp):
+    if op.__class__ is ReduceOp:
         return op
     try:
         return ReduceOp(str(op).lower())
@@ -207,11 +209,18 @@ def _reduce_op(op: Any) -> ReduceOp:
 
 
 _communicators: dict = {}
+_default: list = [None]  # the communicator of the initialised world, for the module functions
 
 
 def communicator(world: Optional[World] = None) -> MPICommunicator:
     """The MPICommunicator of ``world`` (default: the one from ``hpcadapt.init()``)."""
-    w = world if world is not None else current_world()
+    if world is None:
+        cached = _default[0]
+        if cached is not None and cached._world is _runtime._world:
+            return cached
+        _default[0] = communicator(current_world())
+        return _default[0]
+    w = world
     comm = _communicators.get(id(w))
     if comm is None or comm._world is not w:
         comm = _communicators[id(w)] = MPICommunicator(w)
