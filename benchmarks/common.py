@@ -27,16 +27,6 @@ def init_gloo(comm) -> None:
                             rank=comm.rank, world_size=comm.size)
 
 
-def timed(fn: Callable[[], None], iters: int, comm) -> float:
-    """Seconds per call of ``fn``, the slowest rank's view (what a user waits for)."""
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    dt = (time.perf_counter() - t0) / iters
-    return comm.allreduce(dt, op=__import__("mpi4py").MPI.MAX)
-
-
 def interleaved(contenders: Dict[str, Callable[[], float]], rounds: int) -> Dict[str, List[float]]:
     """Run each contender once per round, in rotating order, so drift hits all alike."""
     results: Dict[str, List[float]] = {k: [] for k in contenders}
