@@ -33,18 +33,26 @@ __all__ = ["PolicyEngine"]
 
 log = logging.getLogger(__name__)
 
-HOOKS = ("before_train", "before_epoch", "after_step", "after_epoch", "after_train")
+HOOKS = ("before_train", "before_epoch", "after_step", "after_epoch", "after_train",
+         "on_resize")
+RESIZE_BATCH = ("keep-global", "keep-local")
 
 
 class PolicyEngine:
-    def __init__(self, policies: Sequence[Policy], lr_rule: Optional[LRRule] = None):
+    def __init__(self, policies: Sequence[Policy], lr_rule: Optional[LRRule] = None, *,
+                 resize_batch: str = "keep-global"):
+        if resize_batch not in RESIZE_BATCH:
+            raise ConfigurationError(f"--resize-batch must be one of {', '.join(RESIZE_BATCH)}; "
+                                     f"got {resize_batch!r}")
         self.policies = list(policies)
         self.lr_rule = lr_rule or LRRule("none", 0)
+        self.resize_batch = resize_batch
         self._warned: set = set()
 
     @property
     def active(self) -> bool:
-        return bool(self.policies) or self.lr_rule.rule == "adascale"
+        return (bool(self.policies) or self.lr_rule.rule == "adascale"
+                or self.resize_batch != "keep-global")
 
     @property
     def required_monitors(self) -> List[str]:
@@ -96,6 +104,15 @@ class PolicyEngine:
             if d.changes():
                 kept.append(d)
                 pending.update(d.changes())
+        if hook == "on_resize" and self.resize_batch == "keep-local" and "batch_size" not in pending:
+            old, new = extra["old_size"], extra["new_size"]
+            local = max(1, round(snap.batch_size / old))
+            if local * new != snap.batch_size:
+                d = Decision(reason=f"keep the local batch {local} across {old} -> {new} workers",
+                             batch_size=local * new, policy="resize-batch:keep-local",
+                             metrics={"old_size": float(old), "new_size": float(new)})
+                kept.append(d)
+                pending.update(d.changes())
         new_batch = pending.get("batch_size")
         if new_batch is not None and new_batch != snap.batch_size and "lr" not in pending:
             rule = self.lr_rule.on_change(snap.with_changes(
@@ -127,6 +144,9 @@ class PolicyEngine:
                     rule_lr = d.lr
                 else:
                     explicit_lr = d.lr
+        for d in decisions:
+            if d.world_size is not None:
+                changes["reason"] = f"{d.policy}: {d.reason}"
         if explicit_lr is not None:
             changes["lr"] = explicit_lr
             changes["base"] = [explicit_lr, changes.get("batch_size", snap.batch_size)]

@@ -69,6 +69,8 @@ class ResizeRecord:
     world_size: int
     batch_size: int
     lr: float
+    decision_to_first_step_s: float = float("nan")
+    replicas_identical: Optional[bool] = None
     event: str = "resize"
 
 

@@ -365,11 +365,40 @@ def broadcast_object_state(state: Optional[dict], *, root: int = 0,
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, *, root: int = 0,
                               world: Optional[World] = None) -> None:
-    """Make every rank's optimizer state (momentum buffers, hyper-parameters) root's."""
+    """Make every rank's optimizer state (momentum buffers, hyper-parameters) root's.
+
+    The structure travels as a small document; the tensors travel as fused buffers."""
     w = world if world is not None else current_world()
     if w.size == 1:
         return
-    mine = optimizer.state_dict() if w.comm.Get_rank() == root else None
-    state = broadcast_object_state(mine, root=root, world=w)
-    if w.comm.Get_rank() != root:
+    is_root = w.comm.Get_rank() == root
+    tensors: List[torch.Tensor] = []
+
+    def strip(obj):
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            return ["__tensor__", len(tensors) - 1, list(obj.shape), str(obj.dtype)]
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(strip(v) for v in obj)
+        return obj
+
+    skeleton = broadcast_object_state(strip(optimizer.state_dict()) if is_root else None,
+                                      root=root, world=w)
+    if not is_root:
+        def build(obj):
+            if isinstance(obj, list) and len(obj) == 4 and obj[0] == "__tensor__":
+                t = torch.empty(obj[2], dtype=getattr(torch, obj[3].replace("torch.", "")))
+                tensors.append(t)
+                return t
+            if isinstance(obj, dict):
+                return {k: build(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(build(v) for v in obj)
+            return obj
+        state = build(skeleton)
+    if tensors:
+        _pack_broadcast(tensors, root, w.comm, 16 * 1024 * 1024)
+    if not is_root:
         optimizer.load_state_dict(state)

@@ -70,11 +70,12 @@ class World:
         return WorldInfo(self.rank, self.size, self.local_rank, self.local_size,
                          self.node_name, self._version)
 
-    def replace(self, comm: MPI.Intracomm) -> None:
-        """Adopt a new communicator after a resize; the version goes up exactly once."""
+    def replace(self, comm: MPI.Intracomm, *, version: Optional[int] = None) -> None:
+        """Adopt a new communicator after a resize; the version goes up exactly once (or
+        becomes ``version``: a joining worker takes the running job's)."""
         old = self._comm
         self._comm = comm
-        self._version += 1
+        self._version = self._version + 1 if version is None else version
         self._derive()
         if old is not None and self._own and old != MPI.COMM_NULL:
             old.Free()
@@ -128,8 +129,24 @@ def set_world(new: World) -> None:
 
 
 def shutdown() -> None:
-    """Free hpcadapt's communicators. MPI itself is finalised by mpi4py at exit."""
+    """Free hpcadapt's communicators, then wait (idly) for the processes this one was
+    launched with. MPI itself is finalised by mpi4py at exit."""
     global _world
     if _world is not None:
-        _world.free()
+        if _world._comm is not None:
+            _world.free()
         _world = None
+    wait_for_launch_siblings()
+
+
+def wait_for_launch_siblings(poll_s: float = 0.05) -> None:
+    """Processes started together by one mpiexec/srun share COMM_WORLD and cannot finalise
+    before each other; one that left the training early waits here, sleeping, instead of
+    spinning inside MPI_Finalize. Processes that joined alone pass at once."""
+    import time
+
+    if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    request = MPI.COMM_WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(poll_s)

@@ -13,7 +13,9 @@ from typing import List, Optional
 
 from hpcadapt.policies import add_policy_arguments, build_lr_rule, build_policies
 
+from .allocator import LAUNCHERS
 from .datasets import DATASETS
+from .engine import RESIZE_BATCH
 from .errors import ConfigurationError, HpcAdaptError
 from .models import MODELS
 from .monitor import MONITORS
@@ -108,9 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--monitor-ema", type=_fraction_open, default=0.1,
                    help="weight of the newest estimate in the moving averages")
     add_policy_arguments(p)
+    e = p.add_argument_group("elastic workers")
+    e.add_argument("--max-workers", type=_positive_int, default=None,
+                   help="allow resizing up to this many workers (local allocator: slots on "
+                        "this host); without it the world keeps its size")
+    e.add_argument("--launcher", choices=list(LAUNCHERS), default="process",
+                   help="how the local allocator starts a joining worker: process (its own "
+                        "mpiexec; a crash cannot hurt the job) or spawn (MPI_Comm_spawn; under "
+                        "MPICH run mpiexec with -disable-auto-cleanup)")
+    e.add_argument("--join-timeout", type=_positive_float, default=120.0,
+                   help="seconds a grow may wait for its workers before it is abandoned")
+    e.add_argument("--resize-batch", choices=list(RESIZE_BATCH), default="keep-global",
+                   help="on a resize keep the global batch (the local batch changes) or the "
+                        "local batch (the global batch changes, with --lr-rule)")
+    e.add_argument("--join-dir", default=None, help=argparse.SUPPRESS)
+    e.add_argument("--join-id", type=int, default=0, help=argparse.SUPPRESS)
     o = p.add_argument_group("output")
     o.add_argument("--metrics-file", default=None, help="write JSON Lines metrics here (rank 0)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--check-replicas", action="store_true",
+                   help="after every resize, compare a digest of the parameters across ranks "
+                        "and record it in the resize line (costs one pass over the model)")
     o.add_argument("--sample-log", default=None, metavar="DIR",
                    help="each process appends the sample indices it trains on to DIR (tests)")
     o.add_argument("--summary-json", default=None,
@@ -129,37 +149,86 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from . import runtime as world_mod
     from .logs import setup_logging
+    from .allocator import LocalAllocator
+    from .elastic import ElasticController, JoinTicket, join_running_job
     from .engine import PolicyEngine
     from .trainer import TrainConfig, Trainer
 
+    joining = args.join_dir is not None
+    if joining:
+        _drop_spawn_link()
     w = world_mod.init()
     setup_logging(lambda: w.rank)
     cfg = TrainConfig(model=args.model, dataset=args.dataset, epochs=args.epochs,
                       batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
                       weight_decay=args.weight_decay, seed=args.seed, max_steps=args.max_steps,
-                      metrics_file=args.metrics_file, progress=not args.no_progress,
+                      # rank 0 of the running job writes the metrics, never a joiner
+                      metrics_file=None if joining else args.metrics_file,
+                      progress=not args.no_progress and not joining,
                       bucket_bytes=args.bucket_bytes, hidden=args.hidden, width=args.width,
                       synthetic_samples=args.synthetic_samples, threads=args.threads,
                       monitors=args.monitor, monitor_interval=args.monitor_interval,
-                      monitor_ema=args.monitor_ema, sample_log=args.sample_log)
+                      monitor_ema=args.monitor_ema, sample_log=args.sample_log,
+                      check_replicas=args.check_replicas)
+    allocator = None
     try:
-        trainer = Trainer(cfg, w, engine=PolicyEngine(policies, lr_rule))
-        if w.rank == 0:
+        engine = PolicyEngine(policies, lr_rule, resize_batch=args.resize_batch)
+        trainer = Trainer(cfg, w, engine=engine)
+        if args.max_workers is not None:
+            if args.max_workers < w.size:
+                raise ConfigurationError(f"--max-workers {args.max_workers} is below the "
+                                         f"{w.size} workers already running")
+            allocator = LocalAllocator(args.max_workers, launcher=args.launcher)
+            joiner_argv = ["-m", "hpcadapt.train"] + _without_join_flags(
+                list(argv) if argv is not None else sys.argv[1:])
+            trainer.elastic = ElasticController(w, allocator, joiner_argv,
+                                                join_timeout=args.join_timeout)
+        if joining:
+            w.replace(join_running_job(JoinTicket(args.join_dir, args.join_id)))
+            trainer.after_join()
+            log.info("joined as rank %d of %d at step %d", w.rank, w.size, trainer.step)
+        elif w.rank == 0:
             log.info("training %s on %s with %d workers, global batch %d, policies: %s",
                      cfg.model, cfg.dataset, w.size, cfg.batch_size,
                      ", ".join(args.policy) or "none")
-        summary = trainer.run()
+        summary = trainer.run(resume=joining)
     except HpcAdaptError as exc:
         log.error("%s", exc)
         world_mod.shutdown()
         return 2
-    if w.rank == 0:
+    if w.rank == 0 and not summary["left"]:
         print(json.dumps(summary))
         if args.summary_json:
             with open(args.summary_json, "w", encoding="utf-8") as f:
                 json.dump(summary, f)
+    if allocator is not None:
+        allocator.close()
     world_mod.shutdown()
     return 0
+
+
+def _without_join_flags(argv: List[str]) -> List[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--join-dir", "--join-id"):
+            skip = True
+            continue
+        if a.startswith("--join-dir=") or a.startswith("--join-id="):
+            continue
+        out.append(a)
+    return out
+
+
+def _drop_spawn_link() -> None:
+    """A worker started by MPI_Comm_spawn joins through the port; it lets go of its parent."""
+    from mpi4py import MPI
+
+    parent = MPI.Comm.Get_parent()
+    if parent != MPI.COMM_NULL:
+        parent.Disconnect()
 
 
 if __name__ == "__main__":

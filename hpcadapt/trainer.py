@@ -20,7 +20,7 @@ from torch import nn
 from .collectives import ReduceOp, communicator
 from .datasets import Dataset, load_dataset
 from .errors import ConfigurationError
-from .metrics import EpochRecord, MetricsSink, StepRecord
+from .metrics import EpochRecord, MetricsSink, ResizeRecord, StepRecord
 from .models import build_model
 from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
                       estimate_from_replicas)
@@ -29,6 +29,7 @@ from .runtime import World
 from .sampler import ElasticSampler
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .elastic import ElasticController, ResizeOutcome
     from .engine import PolicyEngine
     from hpcadapt.policies.base import MetricsSnapshot
 
@@ -59,6 +60,7 @@ class TrainConfig:
     monitor_interval: int = 1
     monitor_ema: float = 0.1
     sample_log: Optional[str] = None
+    check_replicas: bool = False
 
     def validate(self) -> None:
         for name in ("epochs", "batch_size"):
@@ -132,6 +134,9 @@ class Trainer:
         self.last_times: Optional[StepTimes] = None
         self.history: List[Dict[str, Any]] = []
         self.engine = engine
+        self.elastic: Optional["ElasticController"] = None
+        self.left = False
+        self.resizes: List[Dict[str, Any]] = []
         monitors = list(dict.fromkeys(list(cfg.monitors) +
                                       (engine.required_monitors if engine else [])))
         self.monitor_cfg = MonitorConfig(tuple(monitors), monitor_interval(cfg, engine),
@@ -201,13 +206,166 @@ class Trainer:
             if self.ramp is not None and self.ramp.steps == 0:
                 self.lr, self.ramp = self.ramp.end_lr, None
         if "world_size" in changes and int(changes["world_size"]) != self.world.size:
-            self.request_resize(int(changes["world_size"]), changes.get("reason", "policy"))
+            exclude = changes.get("remove_rank")
+            self.request_resize(int(changes["world_size"]), changes.get("reason", "policy"),
+                                remove=[int(exclude)] if exclude is not None else None)
 
-    def request_resize(self, new_size: int, reason: str) -> None:
-        """The plain trainer cannot change its world; the elastic trainer overrides this."""
+    # -- elastic membership ---------------------------------------------------------------
+    def request_resize(self, new_size: int, reason: str = "user request", *,
+                       remove: Optional[List[int]] = None) -> None:
+        """Change the number of workers. Call on every rank at the same step boundary (a
+        policy decision does). A shrink happens now; a grow starts now and completes at a
+        later step boundary, when the new workers are ready. Requests that cannot be met
+        are clipped or refused with a logged reason; training goes on either way."""
+        if self.elastic is None:
+            if self.world.rank == 0:
+                log.warning("resize to %d workers refused (%s): no allocator (start with "
+                            "--max-workers); training goes on with %d", new_size, reason,
+                            self.world.size)
+            return
+        target = self.elastic.clip(new_size, reason)
+        if target is None:
+            return
+        if target < self.world.size:
+            self._shrink(target, reason, remove)
+        else:
+            failed = self.elastic.start_grow(target, reason)
+            if failed is not None:
+                self._record_resize(failed)
+
+    def _shrink(self, target: int, reason: str, remove: Optional[List[int]]) -> None:
+        from .elastic import ResizeOutcome, split_leavers
+
+        old = self.world.size
+        leavers = [r for r in (remove or []) if 0 < r < old][: old - target]
+        for r in range(old - 1, 0, -1):
+            if len(leavers) >= old - target:
+                break
+            if r not in leavers:
+                leavers.append(r)
+        t0 = time.perf_counter()
+        new = split_leavers(self.world.comm, leavers)
+        if new is None:
+            self.left = True
+            log.info("leaving the job (%s)", reason)
+            return
+        self.world.replace(new)
+        pause = time.perf_counter() - t0
+        self.elastic.allocator.released(old - target)
+        self._after_resize(ResizeOutcome(old, target, reason, pause, True, pause))
+
+    def _poll_elastic(self) -> None:
+        """At a step boundary: complete or abandon a pending grow."""
+        from .elastic import ABANDON, JOIN, ResizeOutcome
+
+        if self.elastic is None or not self.elastic.growing:
+            return
+        status, joiners, detail = self.elastic.poll_grow()
+        if status == ABANDON:
+            self._record_resize(self.elastic.abandon(detail))
+        elif status == JOIN:
+            t0 = time.perf_counter()
+            decided = self.elastic.decided_at()
+            reason = self.elastic.pending.reason if self.elastic.pending else ""
+            old = self.world.size
+            new = self.elastic.join(joiners)
+            self.world.replace(new)
+            self.sync_state()
+            now = time.perf_counter()
+            self._after_resize(ResizeOutcome(old, self.world.size, reason, now - t0, True,
+                                             now - decided))
+
+    def after_join(self) -> None:
+        """In a joining worker, right after ``join_running_job``: the same collective steps
+        the running ranks take after accepting it."""
+        from .elastic import ResizeOutcome
+
+        self.sync_state()
+        self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
+
+    def sync_state(self) -> None:
+        """Broadcast the whole training state from rank 0 (parameters, optimizer, data
+        cursor, hyper-parameters, monitor and RNG state) so every replica is identical."""
+        from .parallel import broadcast_object_state, broadcast_optimizer_state, broadcast_parameters
+
+        mine = None
         if self.world.rank == 0:
-            log.warning("resize to %d workers refused (%s): this trainer has no allocator; "
-                        "training goes on with %d", new_size, reason, self.world.size)
+            mine = {"step": self.step, "epoch": self.epoch, "batch_size": self.batch_size,
+                    "lr": self.lr, "momentum": self.momentum, "base_lr": self.base_lr,
+                    "base_batch_size": self.base_batch_size,
+                    "ramp": list(self.ramp.__dict__.values()) if self.ramp else None,
+                    "sampler": self.sampler.state_dict(), "gns": self.gns.state_dict(),
+                    "rng": torch.get_rng_state(), "version": self.world.cluster_version,
+                    "accuracy": self.last_accuracy}
+        state = broadcast_object_state(mine, world=self.world)
+        if self.world.rank != 0:
+            from hpcadapt.policies.lr_rules import Ramp
+
+            self.step, self.epoch = int(state["step"]), int(state["epoch"])
+            self.batch_size, self.lr = int(state["batch_size"]), float(state["lr"])
+            self.momentum = float(state["momentum"])
+            self.base_lr, self.base_batch_size = float(state["base_lr"]), int(state["base_batch_size"])
+            self.ramp = Ramp(*state["ramp"]) if state["ramp"] else None
+            self.sampler.load_state_dict(state["sampler"])
+            self.gns.load_state_dict(state["gns"])
+            torch.set_rng_state(state["rng"])
+            self.last_accuracy = float(state["accuracy"])
+            if int(state["version"]) != self.world.cluster_version:
+                self.world._version = int(state["version"])
+        broadcast_parameters(list(self.model.parameters()), world=self.world)
+        broadcast_optimizer_state(self.optimizer.optimizer, world=self.world)
+
+    def replicas_identical(self) -> bool:
+        """Whether every rank holds bit-identical parameters (one small allreduce)."""
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=7)
+        for p in self.model.parameters():
+            h.update(p.detach().contiguous().numpy())
+        digest = int.from_bytes(h.digest(), "little")
+        pair = np.array([digest, -digest], dtype=np.int64)
+        communicator(self.world).allreduce(pair, ReduceOp.MAX)
+        return bool(pair[0] == -pair[1])
+
+    def _after_resize(self, outcome: "ResizeOutcome") -> None:
+        self.optimizer.set_extra_slots(self._extra_slots())
+        if self.cfg.check_replicas and outcome.ok:
+            identical = self.replicas_identical()
+            if not identical and self.world.rank == 0:
+                log.error("replicas differ after the resize to %d workers", self.world.size)
+            self._identical_after_resize = identical
+        self._prev_local = (0.0, 0.0, 0.0)
+        self._prev_grads = None
+        self.last_times = None
+        self._record_resize(outcome)
+        if self.engine is not None and self.engine.active:
+            self.engine.run("on_resize", self, old_size=outcome.old_size,
+                            new_size=outcome.new_size)
+
+    def _record_resize(self, outcome: "ResizeOutcome") -> None:
+        row = {"old_size": outcome.old_size, "new_size": outcome.new_size, "ok": outcome.ok,
+               "pause_s": outcome.pause_s, "reason": outcome.reason,
+               "decision_to_first_step_s": outcome.decision_to_first_step_s, "step": self.step}
+        self.resizes.append(row)
+        if outcome.old_size < 0:
+            return  # a joiner's view; rank 0 of the running job records the resize
+        self.sink.write(ResizeRecord(step=self.step, epoch=self.epoch, old_size=outcome.old_size,
+                                     new_size=outcome.new_size, reason=outcome.reason,
+                                     pause_s=outcome.pause_s, ok=outcome.ok,
+                                     cluster_version=self.world.cluster_version,
+                                     world_size=self.world.size, batch_size=self.batch_size,
+                                     lr=self.lr,
+                                     decision_to_first_step_s=outcome.decision_to_first_step_s,
+                                     replicas_identical=getattr(self, "_identical_after_resize",
+                                                                None) if outcome.ok else None))
+        if self.world.rank == 0:
+            level = logging.INFO if outcome.ok else logging.WARNING
+            log.log(level, "resize %d -> %d %s in %.3f s (%s)", outcome.old_size,
+                    outcome.new_size, "done" if outcome.ok else "not done", outcome.pause_s,
+                    outcome.reason)
+
+    def max_workers(self) -> int:
+        return self.elastic.allocator.capacity() if self.elastic is not None else self.world.size
 
     # -- monitoring --------------------------------------------------------------------
     def _monitoring_step(self, step: int) -> bool:
@@ -273,10 +431,8 @@ class Trainer:
             compute_time=tuple(t.compute_time.tolist()) if t else (),
             wait_time=tuple(t.wait_time.tolist()) if t else (),
             rank_samples=tuple(t.samples.tolist()) if t else (),
-            max_workers=self.max_workers(), cluster_version=self.world.cluster_version)
-
-    def max_workers(self) -> int:
-        return self.world.size
+            max_workers=self.max_workers(), cluster_version=self.world.cluster_version,
+            resizing=bool(self.elastic is not None and self.elastic.growing))
 
     # -- one step ----------------------------------------------------------------------
     def train_step(self) -> int:
@@ -353,20 +509,27 @@ class Trainer:
         if self.engine is not None and self.engine.active:
             self.engine.run(name, self)
 
-    def run(self) -> Dict[str, Any]:
-        """Train until the epoch budget (or ``max_steps``) is spent; returns the summary."""
+    def run(self, *, resume: bool = False) -> Dict[str, Any]:
+        """Train until the epoch budget (or ``max_steps``) is spent; returns the summary.
+
+        ``resume``: a joining worker enters at the step boundary where the running job is
+        (its state came by ``sync_state``), skipping the hooks that already ran there."""
         self._last_count = 0
-        self._hook("before_train")
-        accuracy = float("nan")
-        while self.epoch < self.cfg.epochs and not self._done():
+        if not resume:
+            self._hook("before_train")
+        accuracy = self.last_accuracy
+        first = True
+        while self.epoch < self.cfg.epochs and not self._done() and not self.left:
             if self.sampler.epoch != self.epoch:
                 self.sampler.set_epoch(self.epoch)
-            self._hook("before_epoch")
+            if not (resume and first):
+                self._hook("before_epoch")
+            first = False
             t_epoch = time.perf_counter()
             samples = 0
             losses = []
             self._open_bar()
-            while not self.sampler.epoch_done and not self._done():
+            while not self.sampler.epoch_done and not self._done() and not self.left:
                 count = self.train_step()
                 samples += count
                 losses.append(self.last_loss)
@@ -378,8 +541,11 @@ class Trainer:
                 if self.engine is not None and self.engine.active and \
                         self.engine.due(self.step, self.monitored):
                     self.engine.run("after_step", self)
-                self.between_steps()
+                if not self.left:
+                    self._poll_elastic()
             self._close_bar()
+            if self.left:
+                break
             elapsed = time.perf_counter() - t_epoch
             accuracy = self.evaluate()
             self.last_accuracy = accuracy
@@ -398,18 +564,24 @@ class Trainer:
                          rec.samples_per_s, self.batch_size, self.world.size)
             finished_epoch = self.sampler.epoch_done
             self._hook("after_epoch")
-            if finished_epoch:
+            if finished_epoch and not self.left:
                 self.epoch += 1
                 self.sampler.set_epoch(self.epoch)
-        self._hook("after_train")
+        if not self.left:
+            self._hook("after_train")
+            self._finish_elastic()
         self.sink.close()
         if self._sample_file is not None:
             self._sample_file.close()
         return {"final_test_accuracy": accuracy, "steps": self.step, "epochs": self.epoch,
-                "world_size": self.world.size, "batch_size": self.batch_size, "lr": self.lr}
+                "world_size": self.world.size if not self.left else 0,
+                "batch_size": self.batch_size, "lr": self.lr, "left": self.left,
+                "cluster_version": self.world.cluster_version, "resizes": self.resizes}
 
-    def between_steps(self) -> None:
-        """A step boundary after the engine ran; the elastic trainer resizes here."""
+    def _finish_elastic(self) -> None:
+        """A grow still pending when training ends is abandoned on every rank."""
+        if self.elastic is not None and self.elastic.growing:
+            self._record_resize(self.elastic.abandon("training ended first"))
 
     def _open_bar(self) -> None:
         if self.cfg.progress and self.world.rank == 0:

@@ -46,6 +46,7 @@ class MetricsSnapshot:
     rank_samples: Tuple[float, ...] = ()
     max_workers: int = 1
     cluster_version: int = 0
+    resizing: bool = False   # a grow is under way (new workers starting)
 
     def with_changes(self, changes: Dict[str, Any]) -> "MetricsSnapshot":
         """The snapshot as the next policy in line sees it: earlier decisions applied."""
@@ -60,17 +61,20 @@ class MetricsSnapshot:
 class Decision:
     """A change of configuration, why it was made, and the metric values behind it.
 
-    Fields left as None are not changed. ``world_size`` asks for a resize."""
+    Fields left as None are not changed. ``world_size`` asks for a resize; with
+    ``remove_rank`` that rank (not the highest) leaves when the world shrinks."""
 
     reason: str
     batch_size: Optional[int] = None
     lr: Optional[float] = None
     momentum: Optional[float] = None
     world_size: Optional[int] = None
+    remove_rank: Optional[int] = None
     metrics: Dict[str, float] = field(default_factory=dict)
     policy: str = ""
 
-    CHANGE_FIELDS: ClassVar[Tuple[str, ...]] = ("batch_size", "lr", "momentum", "world_size")
+    CHANGE_FIELDS: ClassVar[Tuple[str, ...]] = ("batch_size", "lr", "momentum", "world_size",
+                                                "remove_rank")
 
     def changes(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in self.CHANGE_FIELDS if getattr(self, k) is not None}
@@ -87,6 +91,10 @@ class Decision:
         if self.world_size is not None and (int(self.world_size) != self.world_size
                                             or self.world_size < 1):
             raise ConfigurationError(f"world_size must be a positive integer, got {self.world_size}")
+        if self.remove_rank is not None and (self.world_size is None or self.remove_rank < 1):
+            raise ConfigurationError(
+                f"remove_rank needs a world_size and must name a rank >= 1 (rank 0 coordinates), "
+                f"got {self.remove_rank}")
 
 
 @dataclass(frozen=True)
@@ -132,7 +140,7 @@ class Policy:
     def after_train(self, snap: MetricsSnapshot) -> Optional[Decision]:
         return None
 
-    def on_resize(self, old_size: int, new_size: int, snap: MetricsSnapshot) -> Optional[Decision]:
+    def on_resize(self, snap: MetricsSnapshot, *, old_size: int, new_size: int) -> Optional[Decision]:
         return None
 
     def on_decision(self, decision: Decision, snap: MetricsSnapshot) -> None:

@@ -27,7 +27,7 @@ def test_two_ranks_reach_95_percent_on_digits(tmp_path):
         for key in ("step", "epoch", "world_size", "batch_size", "lr", "loss", "samples_per_s"):
             assert key in r
         assert r["world_size"] == 2 and r["batch_size"] == 32
-    # every step of an epoch is logged: 1437 training samples in batches of 32
+    # every step of an epoch is logged: 1438 training samples in batches of 32
     assert sum(1 for r in steps if r["epoch"] == 0) == 45
     assert steps[-1]["loss"] < steps[0]["loss"]
 
@@ -67,7 +67,7 @@ def test_batch_changes_mid_epoch_lose_no_sample(tmp_path):
     seen = samples_by_epoch(samples)
     assert sorted(seen) == [0, 1]
     for epoch, indices in seen.items():
-        assert sorted(indices) == list(range(1437)), f"epoch {epoch} skipped or repeated samples"
+        assert sorted(indices) == list(range(1438)), f"epoch {epoch} skipped or repeated samples"
     sizes = {r["batch_size"] for r in read_jsonl(metrics) if r["event"] == "step"}
     assert sizes == {16, 50, 9, 128}
 

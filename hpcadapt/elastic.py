@@ -1,0 +1,254 @@
+"""Elastic membership: grow by starting workers that initialise while training goes on and
+join at an agreed step boundary; shrink by splitting the leavers off at a step boundary.
+
+Growing (stop-free). Rank 0 opens an MPI port and asks the allocator for workers; they start,
+build their model, write a ready file and call ``MPI_Comm_connect``. At every step boundary
+rank 0 broadcasts the grow's status; when all joiners are ready, every rank of the running job
+calls ``MPI_Comm_accept`` (once per joiner) and merges, and the state (parameters, optimizer,
+data cursor, hyper-parameters, monitor and RNG state) is broadcast from rank 0. A joiner that
+dies before it is ready, or a grow that times out, is abandoned: the job goes on at its size.
+
+Shrinking. The leavers (the highest ranks, or the ones named) take ``Split(UNDEFINED)`` and
+leave; the data cursor is global, so nothing is lost. A process that was launched alone (every
+joiner) exits at once; one launched together with others waits, sleeping, for its siblings.
+
+The cluster version goes up exactly once per successful resize."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .allocator import Allocator, Worker
+from .errors import AllocationError, MembershipError
+from .runtime import World
+
+__all__ = ["ElasticController", "JoinTicket", "join_running_job", "accept_joiners",
+           "split_leavers", "ResizeOutcome"]
+
+log = logging.getLogger(__name__)
+
+WAITING, JOIN, ABANDON = 0, 1, 2
+
+
+@dataclass
+class _PendingGrow:
+    target: int
+    reason: str
+    port: str
+    directory: str
+    workers: List[Worker]
+    decided_at: float
+    deadline: float
+
+
+@dataclass(frozen=True)
+class ResizeOutcome:
+    """What a resize did, for the metrics line and the policies."""
+
+    old_size: int
+    new_size: int
+    reason: str
+    pause_s: float
+    ok: bool
+    decision_to_first_step_s: float = float("nan")
+
+
+@dataclass(frozen=True)
+class JoinTicket:
+    """What a joining worker gets on its command line: where the port and ready files are."""
+
+    directory: str
+    worker_id: int
+
+    def port_file(self) -> str:
+        return os.path.join(self.directory, "port")
+
+    def ready_file(self) -> str:
+        return os.path.join(self.directory, f"ready-{self.worker_id}")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def accept_joiners(comm: MPI.Intracomm, port: str, count: int) -> MPI.Intracomm:
+    """Collective over ``comm`` (running job plus joiners merged so far): accept ``count``
+    joiners one at a time; returns the merged communicator (``comm`` itself is kept)."""
+    current = comm
+    remaining = np.array([count], dtype=np.int64)
+    while True:
+        current.Bcast(remaining, root=0)
+        if remaining[0] == 0:
+            return current
+        inter = current.Accept(port if current.Get_rank() == 0 else None, root=0)
+        merged = inter.Merge(high=False)
+        inter.Disconnect()
+        if current is not comm:
+            current.Free()
+        current = merged
+        if current.Get_rank() == 0:
+            remaining[0] -= 1
+
+
+def join_running_job(ticket: JoinTicket) -> MPI.Intracomm:
+    """In a joining worker: say it is ready, connect to the running job, and take part in
+    accepting the joiners after it; returns the job's new communicator."""
+    with open(ticket.port_file(), encoding="utf-8") as f:
+        port = f.read().strip()
+    _write_atomic(ticket.ready_file(), str(os.getpid()))
+    inter = MPI.COMM_WORLD.Connect(port, root=0)
+    merged = inter.Merge(high=True)
+    inter.Disconnect()
+    return accept_joiners(merged, port, 0)
+
+
+def split_leavers(comm: MPI.Intracomm, leavers: Sequence[int]) -> Optional[MPI.Intracomm]:
+    """Collective: the ranks in ``leavers`` get None, the others a communicator in rank order."""
+    me = comm.Get_rank()
+    color = MPI.UNDEFINED if me in leavers else 0
+    new = comm.Split(color, key=me)
+    return None if new == MPI.COMM_NULL else new
+
+
+class ElasticController:
+    """Carries out resize requests for a trainer at step boundaries.
+
+    ``joiner_argv`` is what a joining worker runs (``python ARGV``); the controller appends
+    ``--join-dir DIR --join-id I``. ``on_joined(old_size, new_size)`` runs on every rank of
+    the new world right after the join (state sync); ``on_left`` on every remaining rank."""
+
+    def __init__(self, world: World, allocator: Allocator, joiner_argv: Sequence[str], *,
+                 join_timeout: float = 120.0):
+        self.world = world
+        self.allocator = allocator
+        self.joiner_argv = list(joiner_argv)
+        self.join_timeout = join_timeout
+        self.pending: Optional[_PendingGrow] = None
+        self.growing = False   # known on every rank: a grow is pending
+        self.left = False      # this process has left the job
+
+    # -- requests (every rank, at the same point) -----------------------------------------
+    def clip(self, new_size: int, reason: str) -> Optional[int]:
+        """The size a request can get, or None when it cannot be carried out (logged)."""
+        cap = self.allocator.capacity()
+        if new_size < 1:
+            self._refuse(f"resize to {new_size} refused ({reason}): the world needs at least "
+                         f"one worker")
+            return None
+        if new_size > cap:
+            self._refuse(f"resize to {new_size} clipped to {cap} ({reason}): the allocator "
+                         f"provides at most {cap} workers")
+            new_size = cap
+        if new_size == self.world.size:
+            return None
+        if self.growing:
+            self._refuse(f"resize to {new_size} refused ({reason}): a grow is still pending")
+            return None
+        return new_size
+
+    def _refuse(self, message: str) -> None:
+        if self.world.rank == 0:
+            log.warning(message)
+
+    def start_grow(self, target: int, reason: str) -> Optional[ResizeOutcome]:
+        """Every rank: mark the grow pending; rank 0 launches the joiners. A launch that
+        fails is reported on every rank (rank 0 broadcasts it) and nothing changes."""
+        error = ""
+        if self.world.rank == 0:
+            directory = tempfile.mkdtemp(prefix="hpcadapt-join-")
+            port = MPI.Open_port()
+            _write_atomic(os.path.join(directory, "port"), port)
+            count = target - self.world.size
+            try:
+                workers = []
+                for i in range(count):
+                    argv = self.joiner_argv + ["--join-dir", directory, "--join-id", str(i)]
+                    workers += self.allocator.launch(1, argv, {})
+                log.info("grow %d -> %d: started %d joining workers (%s)", self.world.size,
+                         target, count, reason)
+                now = time.perf_counter()
+                self.pending = _PendingGrow(target, reason, port, directory, workers, now,
+                                            now + self.join_timeout)
+            except AllocationError as exc:
+                for w in workers:
+                    w.stop()
+                MPI.Close_port(port)
+                error = str(exc)
+        failed = _bcast_flag(self.world.comm, bool(error))
+        if failed:
+            if self.world.rank == 0:
+                log.error("grow to %d abandoned: %s; training goes on with %d workers",
+                          target, error, self.world.size)
+            return ResizeOutcome(self.world.size, target, f"{reason}; failed: {error}", 0.0, False)
+        self.growing = True
+        return None
+
+    # -- at every step boundary ---------------------------------------------------------------
+    def poll_grow(self) -> Tuple[int, int, str]:
+        """Every rank: (status, joiners, detail) agreed through rank 0. JOIN: accept now."""
+        status = np.array([WAITING, 0], dtype=np.int64)
+        detail = ""
+        if self.world.rank == 0 and self.pending is not None:
+            p = self.pending
+            dead = [(i, w.failed()) for i, w in enumerate(p.workers) if w.failed()]
+            ready = [os.path.exists(JoinTicket(p.directory, i).ready_file())
+                     for i in range(len(p.workers))]
+            if dead:
+                i, why = dead[0]
+                status[0], detail = ABANDON, f"joining worker {i} {why}"
+            elif all(ready):
+                status[:] = (JOIN, len(p.workers))
+            elif time.perf_counter() > p.deadline:
+                status[0] = ABANDON
+                detail = (f"{sum(not r for r in ready)} of {len(ready)} joining workers not "
+                          f"ready after {self.join_timeout:.0f} s")
+        self.world.comm.Bcast(status, root=0)
+        return int(status[0]), int(status[1]), detail
+
+    def join(self, count: int) -> MPI.Intracomm:
+        """Every rank of the running job: accept the joiners; returns the new communicator."""
+        port = self.pending.port if self.pending is not None else ""
+        new = accept_joiners(self.world.comm, port, count)
+        self._finish_grow()
+        return new
+
+    def abandon(self, detail: str) -> ResizeOutcome:
+        target = self.pending.target if self.pending is not None else -1
+        reason = self.pending.reason if self.pending is not None else ""
+        if self.world.rank == 0:
+            log.error("grow to %d abandoned (%s): %s; training goes on with %d workers",
+                      target, reason, detail, self.world.size)
+            for w in self.pending.workers:
+                w.stop()
+        self._finish_grow()
+        return ResizeOutcome(self.world.size, target, f"{reason}; abandoned: {detail}", 0.0, False)
+
+    def _finish_grow(self) -> None:
+        if self.pending is not None:
+            MPI.Close_port(self.pending.port)
+            for name in os.listdir(self.pending.directory):
+                os.unlink(os.path.join(self.pending.directory, name))
+            os.rmdir(self.pending.directory)
+        self.pending = None
+        self.growing = False
+
+    def decided_at(self) -> float:
+        return self.pending.decided_at if self.pending is not None else float("nan")
+
+
+def _bcast_flag(comm: MPI.Intracomm, flag: bool) -> bool:
+    buf = np.array([int(flag)], dtype=np.int64)
+    comm.Bcast(buf, root=0)
+    return bool(buf[0])

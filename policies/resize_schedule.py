@@ -1,0 +1,48 @@
+"""``resize-schedule``: resize to given sizes at given steps (experiments and tests)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from hpcadapt.errors import ConfigurationError
+
+from .base import Decision, MetricsSnapshot, Param, Policy
+from .params import positive_int, step_map
+
+__all__ = ["ResizeSchedule"]
+
+
+class ResizeSchedule(Policy):
+    name = "resize-schedule"
+    params = (
+        Param("steps", step_map(positive_int), [], "STEP:SIZE pairs, e.g. 20:4,40:1,60:2"),
+    )
+    reads = ("step",)
+
+    def __init__(self, *, steps: List[Tuple[int, int]] = ()):
+        if not steps:
+            raise ConfigurationError("--policy resize-schedule needs --resize-schedule-steps, "
+                                     "e.g. 20:4,40:1,60:2")
+        self.steps = list(steps)
+        self.next = 0  # index of the first point not yet applied
+
+    def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
+        # Points apply in order, each once the resize before it has completed: a grow
+        # takes as long as its workers need to start, which no step count can promise.
+        if self.next >= len(self.steps) or snap.resizing:
+            return None
+        at, size = self.steps[self.next]
+        if at > snap.step:
+            return None
+        self.next += 1
+        if size == snap.world_size:
+            return None
+        return Decision(reason=f"scheduled at step {at}: {snap.world_size} -> {size} workers",
+                        world_size=size, policy=self.name,
+                        metrics={"step": float(snap.step), "world_size": float(snap.world_size)})
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.next = int(state["next"])
