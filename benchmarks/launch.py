@@ -15,6 +15,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def mpiexec() -> str:
     local = Path(sys.executable).parent / "mpiexec"
     return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "ddp": ("driver_simple", "training throughput: hpcadapt vs torch DDP (gloo)"),
     "monitor-overhead": ("driver_simple", "throughput with gradient monitors on vs off"),
     "adaptive-batch": ("driver_adaptive", "time to accuracy: small, large and gns-batch"),
+    "resize": ("driver_resize", "pause of grow/shrink vs a torchrun restart"),
 }
 
 

@@ -250,9 +250,8 @@ class Trainer:
             log.info("leaving the job (%s)", reason)
             return
         self.world.replace(new)
-        pause = time.perf_counter() - t0
         self.elastic.allocator.released(old - target)
-        self._after_resize(ResizeOutcome(old, target, reason, pause, True, pause))
+        self._after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
 
     def _poll_elastic(self) -> None:
         """At a step boundary: complete or abandon a pending grow."""
@@ -271,9 +270,8 @@ class Trainer:
             new = self.elastic.join(joiners)
             self.world.replace(new)
             self.sync_state()
-            now = time.perf_counter()
-            self._after_resize(ResizeOutcome(old, self.world.size, reason, now - t0, True,
-                                             now - decided))
+            self._after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
+                               decided)
 
     def after_join(self) -> None:
         """In a joining worker, right after ``join_running_job``: the same collective steps
@@ -327,8 +325,14 @@ class Trainer:
         communicator(self.world).allreduce(pair, ReduceOp.MAX)
         return bool(pair[0] == -pair[1])
 
-    def _after_resize(self, outcome: "ResizeOutcome") -> None:
+    def _after_resize(self, outcome: "ResizeOutcome", paused_at: float = float("nan"),
+                      decided_at: float = float("nan")) -> None:
+        """Every rank of the new world: rebuild what depends on the size, record the resize
+        (the pause runs from ``paused_at`` until the next step can start), tell policies."""
+        from dataclasses import replace as _replace
+
         self.optimizer.set_extra_slots(self._extra_slots())
+        self.optimizer._ensure_current()
         if self.cfg.check_replicas and outcome.ok:
             identical = self.replicas_identical()
             if not identical and self.world.rank == 0:
@@ -337,6 +341,9 @@ class Trainer:
         self._prev_local = (0.0, 0.0, 0.0)
         self._prev_grads = None
         self.last_times = None
+        now = time.perf_counter()
+        outcome = _replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
+                           decision_to_first_step_s=now - decided_at)
         self._record_resize(outcome)
         if self.engine is not None and self.engine.active:
             self.engine.run("on_resize", self, old_size=outcome.old_size,

@@ -198,3 +198,83 @@ def test_help_lists_every_policy_and_flag_with_defaults():
                  "--schedule-lr", "--lr-rule", "--lr-ramp-steps"):
         assert flag in text
     assert "(default: 1024)" in text
+
+
+# -- elastic policies ---------------------------------------------------------------------
+from hpcadapt.policies import AutoScale, ResizeSchedule, Straggler  # noqa: E402
+from hpcadapt.policies.autoscale import scaling_efficiency  # noqa: E402
+
+
+def test_resize_schedule_waits_for_a_pending_grow_and_keeps_order():
+    p = ResizeSchedule(steps=[(20, 4), (40, 1)])
+    assert p.after_step(snap(step=19, world_size=2)) is None
+    assert p.after_step(snap(step=20, world_size=2)).world_size == 4
+    assert p.after_step(snap(step=45, world_size=2, resizing=True)) is None
+    assert p.after_step(snap(step=46, world_size=4)).world_size == 1
+
+
+def test_scaling_efficiency():
+    assert scaling_efficiency(100.0, 2, 150.0, 3) == pytest.approx(1.0)  # +50 = one more worker's 50
+    assert scaling_efficiency(100.0, 2, 110.0, 3) == pytest.approx(0.2)
+
+
+def test_autoscale_probes_then_undoes_an_inefficient_step():
+    p = AutoScale(step=1, interval=10, threshold=0.5, settle=0, backoff=100)
+    for s in range(1, 10):
+        assert p.after_step(snap(step=s, world_size=2, samples_per_s=100.0, max_workers=4)) is None
+    grow = p.after_step(snap(step=10, world_size=2, samples_per_s=100.0, max_workers=4))
+    assert grow.world_size == 3
+    p.on_resize(snap(step=10, world_size=3), old_size=2, new_size=3)
+    for s in range(11, 20):
+        p.after_step(snap(step=s, world_size=3, samples_per_s=110.0, max_workers=4))
+    undo = p.after_step(snap(step=20, world_size=3, samples_per_s=110.0, max_workers=4))
+    assert undo.world_size == 2 and undo.metrics["scaling_efficiency"] == pytest.approx(0.2)
+    p.on_resize(snap(step=20, world_size=2), old_size=3, new_size=2)
+    for s in range(21, 40):  # backing off
+        assert p.after_step(snap(step=s, world_size=2, samples_per_s=100.0, max_workers=4)) is None
+
+
+def test_autoscale_keeps_growing_while_efficient_and_stops_at_capacity():
+    p = AutoScale(step=1, interval=5, threshold=0.5, settle=0)
+    for s in range(1, 5):
+        p.after_step(snap(step=s, world_size=3, samples_per_s=150.0, max_workers=4))
+    p.previous = {"k": 2.0, "rate": 100.0}
+    d = p.after_step(snap(step=5, world_size=3, samples_per_s=150.0, max_workers=4))
+    assert d.world_size == 4
+    for s in range(6, 10):
+        p.after_step(snap(step=s, world_size=4, samples_per_s=200.0, max_workers=4))
+    p.previous = {"k": 3.0, "rate": 150.0}
+    assert p.after_step(snap(step=10, world_size=4, samples_per_s=200.0, max_workers=4)) is None
+
+
+def test_straggler_detected_after_patience_then_replaced():
+    p = Straggler(factor=1.5, patience=3, action="replace")
+    slow = dict(world_size=3, compute_time=(0.10, 0.11, 0.30))
+    assert p.after_step(snap(step=1, **slow)) is None
+    assert p.after_step(snap(step=2, **slow)) is None
+    d = p.after_step(snap(step=3, **slow))
+    assert (d.world_size, d.remove_rank) == (2, 2)
+    back = p.on_resize(snap(step=3, world_size=2), old_size=3, new_size=2)
+    assert back.world_size == 3
+
+
+def test_straggler_streak_resets_and_rank_0_stays(caplog):
+    p = Straggler(factor=1.5, patience=2, action="remove")
+    p.after_step(snap(step=1, world_size=2, compute_time=(0.1, 0.3)))
+    p.after_step(snap(step=2, world_size=2, compute_time=(0.1, 0.1)))  # recovered
+    assert p.after_step(snap(step=3, world_size=2, compute_time=(0.1, 0.3))) is None
+    p.after_step(snap(step=4, world_size=2, compute_time=(0.5, 0.1)))
+    assert p.after_step(snap(step=5, world_size=2, compute_time=(0.5, 0.1))) is None
+    assert "rank 0 is a straggler" in caplog.text
+
+
+def test_keep_local_batch_across_resize_triggers_the_lr_rule():
+    eng = PolicyEngine([], LRRule("linear", 0), resize_batch="keep-local")
+    s = snap(batch_size=32, world_size=4)
+    plan = eng.plan(eng.decide("on_resize", s, old_size=2, new_size=4), s)
+    assert plan["batch_size"] == 64 and plan["ramp"][3] == pytest.approx(0.2)
+
+
+def test_remove_rank_must_name_a_non_zero_rank():
+    with pytest.raises(ConfigurationError, match="remove_rank"):
+        Decision(reason="x", world_size=2, remove_rank=0).validate()

@@ -1,0 +1,113 @@
+"""Elastic membership with real MPI processes: joiners started by the local allocator,
+connected through MPI ports, shrinks by split."""
+
+import json
+import os
+import sys
+
+import pytest
+from mpi4py import MPI
+
+from conftest import ROOT, run_mpi
+from hpcadapt.allocator import LocalAllocator
+from hpcadapt.elastic import ElasticController
+from hpcadapt.runtime import World
+
+pytestmark = pytest.mark.slow
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def processes_mentioning(text):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_train_2_4_3_1_2_workers(tmp_path):
+    """The issue's schedule through the entry point: identical replicas after every resize,
+    every sample of every epoch exactly once across the sizes it saw, the accuracy of a
+    fixed-size run, and no process left behind."""
+    common = ["-m", "hpcadapt.train", "--model", "cnn", "--epochs", "40", "--no-progress",
+              "--lr", "0.05"]
+    metrics, samples = tmp_path / "elastic.jsonl", tmp_path / "samples"
+    run_mpi(2, common + ["--max-workers", "4", "--policy", "resize-schedule",
+                         "--resize-schedule-steps", "5:4,450:3,500:1,550:2",
+                         "--check-replicas", "--metrics-file", str(metrics),
+                         "--sample-log", str(samples)], timeout=900)
+    assert not processes_mentioning(str(metrics)), "a worker outlived the job"
+    rows = read_jsonl(metrics)
+    resizes = [r for r in rows if r["event"] == "resize"]
+    done = [(r["old_size"], r["new_size"]) for r in resizes if r["ok"]]
+    assert done == [(2, 4), (4, 3), (3, 1), (1, 2)], resizes
+    assert all(r["replicas_identical"] is True for r in resizes if r["ok"])
+    assert [r["cluster_version"] for r in resizes if r["ok"]] == [1, 2, 3, 4]
+    sizes = {r["world_size"] for r in rows if r["event"] == "step"}
+    assert sizes == {1, 2, 3, 4}
+    seen = {}
+    for f in samples.iterdir():
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            seen.setdefault(r["epoch"], []).extend(r["indices"])
+    assert sorted(seen) == list(range(40))
+    for epoch, indices in seen.items():
+        assert sorted(indices) == list(range(1438)), f"epoch {epoch}: a sample skipped or repeated"
+    elastic_acc = [r for r in rows if r["event"] == "epoch"][-1]["test_accuracy"]
+    fixed = tmp_path / "fixed.jsonl"
+    run_mpi(2, common + ["--metrics-file", str(fixed)], timeout=900)
+    fixed_acc = [r for r in read_jsonl(fixed) if r["event"] == "epoch"][-1]["test_accuracy"]
+    assert abs(elastic_acc - fixed_acc) <= 0.01, (elastic_acc, fixed_acc)
+
+
+def test_50_grow_shrink_cycles_leak_nothing(tmp_path):
+    out = tmp_path / "cycles.json"
+    run_mpi(1, [str(ROOT / "tests" / "elastic_cycles.py"), "--cycles", "50", "--out", str(out)],
+            timeout=1200)
+    r = json.loads(out.read_text())
+    s = r["samples"]
+    assert len(s) == 50 and r["version"] == 100  # exactly one version per resize
+    fds = [x["fds"] for x in s]
+    assert max(fds) - min(fds) <= 2, fds
+    assert all(x["children"] == 0 for x in s)  # every joiner's launcher has exited
+    # resident memory: after the first cycles warmed the MPI library's pools, growth stays small
+    assert s[-1]["rss_kb"] - s[4]["rss_kb"] < 16 * 1024, [x["rss_kb"] for x in s]
+
+
+def test_joiner_crashing_during_start_up_is_abandoned(tmp_path):
+    out = tmp_path / "crash.json"
+    proc = run_mpi(1, [str(ROOT / "tests" / "elastic_cycles.py"), "--cycles", "2", "--crash",
+                       "--out", str(out)], timeout=300)
+    r = json.loads(out.read_text())
+    assert [o.get("abandoned", "") for o in r["outcomes"]] == [
+        "joining worker 0 exited with code 3 during start-up"] * 2
+    assert r["version"] == 0
+    assert "training goes on with 1 workers" in proc.stderr
+
+
+def test_requests_beyond_the_allocator_are_clipped_or_refused(caplog):
+    world = World(MPI.COMM_SELF.Dup())
+    ctrl = ElasticController(world, LocalAllocator(3), ["-c", "pass"])
+    assert ctrl.clip(0, "test") is None and "at least one worker" in caplog.text
+    assert ctrl.clip(9, "test") == 3 and "clipped to 3" in caplog.text
+    assert ctrl.clip(1, "test") is None  # already that size
+    world.free()
+
+
+def test_resize_without_allocator_is_refused_and_training_goes_on(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = run_mpi(2, ["-m", "hpcadapt.train", "--epochs", "1", "--no-progress",
+                       "--policy", "resize-schedule", "--resize-schedule-steps", "5:3",
+                       "--metrics-file", str(metrics)], timeout=300)
+    assert "no allocator (start with --max-workers)" in proc.stderr
+    steps = [r for r in read_jsonl(metrics) if r["event"] == "step"]
+    assert len(steps) == 45 and all(r["world_size"] == 2 for r in steps)
