@@ -50,6 +50,10 @@ def _digits(seed: int, **_) -> Dataset:
         members = rng.permutation(np.flatnonzero(y == c))
         test[members[: int(round(0.2 * len(members)))]] = True
     train_idx, test_idx = np.flatnonzero(~test), np.flatnonzero(test)
+    # standardise each pixel with the training set's statistics
+    mean = x[train_idx].mean(axis=0, keepdims=True)
+    std = x[train_idx].std(axis=0, keepdims=True) + 0.1
+    x = ((x - mean) / std).astype(np.float32)
     return Dataset("digits", torch.from_numpy(x[train_idx]), torch.from_numpy(y[train_idx]),
                    torch.from_numpy(x[test_idx]), torch.from_numpy(y[test_idx]), (1, 8, 8), 10)
 
