@@ -109,8 +109,8 @@ class _SpawnedWorker:
         self._thread.join(timeout=30)
 
 
-_LAUNCH_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "OMPI_",
-                "MPIR_", "I_MPI_")
+_LAUNCH_VARS = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID",
+                "OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess_")
 
 
 def launcher_free_environ() -> dict:

@@ -83,18 +83,37 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def accept_joiners(comm: MPI.Intracomm, port: str, count: int) -> MPI.Intracomm:
-    """Collective over ``comm`` (running job plus joiners merged so far): accept ``count``
-    joiners one at a time; returns the merged communicator (``comm`` itself is kept)."""
+_JOIN_TAG = 7707
+
+
+def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
+                   directory: str = "") -> MPI.Intracomm:
+    """Collective over ``comm`` (running job plus joiners merged so far): admit ``count``
+    joiners one at a time; returns the merged communicator (``comm`` itself is kept).
+
+    Only rank 0 accepts (on its own), which gives a two-process bridge to the joiner; the
+    whole job then builds an intercommunicator to the joiner across that bridge. (A
+    collective Accept over a job whose processes came from several launches crashed MPICH
+    here; the bridge needs the new connection on rank 0 only.)"""
     current = comm
     remaining = np.array([count], dtype=np.int64)
     while True:
         current.Bcast(remaining, root=0)
         if remaining[0] == 0:
             return current
-        inter = current.Accept(port if current.Get_rank() == 0 else None, root=0)
+        bridge = MPI.COMM_SELF
+        if current.Get_rank() == 0:
+            # Joiners connect one at a time, in their id order, when given the turn:
+            # concurrent connects to one port crashed MPICH here.
+            _write_atomic(os.path.join(directory, f"turn-{count - int(remaining[0])}"), "go")
+            inter = MPI.COMM_SELF.Accept(port, root=0)
+            bridge = inter.Merge(high=False)
+            inter.Disconnect()
+        inter = current.Create_intercomm(0, bridge, 1, tag=_JOIN_TAG)
         merged = inter.Merge(high=False)
         inter.Disconnect()
+        if bridge != MPI.COMM_SELF:
+            bridge.Free()
         if current is not comm:
             current.Free()
         current = merged
@@ -103,15 +122,23 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int) -> MPI.Intracomm:
 
 
 def join_running_job(ticket: JoinTicket) -> MPI.Intracomm:
-    """In a joining worker: say it is ready, connect to the running job, and take part in
-    accepting the joiners after it; returns the job's new communicator."""
+    """In a joining worker: say it is ready, connect to rank 0 of the running job, join the
+    whole job across that bridge, and take part in admitting the joiners after it; returns
+    the job's new communicator."""
     with open(ticket.port_file(), encoding="utf-8") as f:
         port = f.read().strip()
     _write_atomic(ticket.ready_file(), str(os.getpid()))
+    turn = os.path.join(ticket.directory, f"turn-{ticket.worker_id}")
+    while not os.path.exists(turn):
+        time.sleep(0.005)
     inter = MPI.COMM_WORLD.Connect(port, root=0)
+    bridge = inter.Merge(high=True)
+    inter.Disconnect()
+    inter = MPI.COMM_WORLD.Create_intercomm(0, bridge, 0, tag=_JOIN_TAG)
     merged = inter.Merge(high=True)
     inter.Disconnect()
-    return accept_joiners(merged, port, 0)
+    bridge.Free()
+    return accept_joiners(merged, port, 0, ticket.directory)
 
 
 def split_leavers(comm: MPI.Intracomm, leavers: Sequence[int]) -> Optional[MPI.Intracomm]:
@@ -220,7 +247,8 @@ class ElasticController:
     def join(self, count: int) -> MPI.Intracomm:
         """Every rank of the running job: accept the joiners; returns the new communicator."""
         port = self.pending.port if self.pending is not None else ""
-        new = accept_joiners(self.world.comm, port, count)
+        directory = self.pending.directory if self.pending is not None else ""
+        new = accept_joiners(self.world.comm, port, count, directory)
         self._finish_grow()
         return new
 

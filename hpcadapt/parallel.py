@@ -173,7 +173,15 @@ class DistributedOptimizer:
 
     # -- buckets -----------------------------------------------------------------------
     def _ensure_current(self) -> None:
-        if self._version != self._world.cluster_version:
+        if self._version == self._world.cluster_version:
+            return
+        if self._buckets and self._buckets[0].bucket.extra == self._extra_slots + 1:
+            # A resize: the buckets stay (they do not depend on the world), the
+            # communicator is the new world's.
+            self._comm = communicator(self._world)
+            self._version = self._world.cluster_version
+            self._reset_step()
+        else:
             self._build()
 
     def _build(self) -> None:

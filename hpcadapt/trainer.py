@@ -106,6 +106,7 @@ class Trainer:
         cfg.validate()
         self.cfg = cfg
         self.world = world
+        self.elastic: Optional["ElasticController"] = None
         if cfg.threads > 0:
             torch.set_num_threads(cfg.threads)
         self.data = dataset if dataset is not None else load_dataset(
@@ -134,7 +135,6 @@ class Trainer:
         self.last_times: Optional[StepTimes] = None
         self.history: List[Dict[str, Any]] = []
         self.engine = engine
-        self.elastic: Optional["ElasticController"] = None
         self.left = False
         self.resizes: List[Dict[str, Any]] = []
         monitors = list(dict.fromkeys(list(cfg.monitors) +
@@ -154,12 +154,17 @@ class Trainer:
                                      "a", encoding="utf-8")
 
     # -- metric slots ------------------------------------------------------------------
+    def _slot_ranks(self) -> int:
+        """Ranks the metric slots have room for: the most this job can grow to, so that
+        a resize does not have to rebuild the gradient buckets."""
+        return max(self.world.size, self.max_workers())
+
     def _extra_slots(self) -> int:
         # loss sum, then per-rank step, compute and wait times and sample counts.
-        return 1 + 4 * self.world.size
+        return 1 + 4 * self._slot_ranks()
 
     def _stage_extras(self, loss_sum: float, n_local: int) -> None:
-        size, rank = self.world.size, self.world.rank
+        size, rank = self._slot_ranks(), self.world.rank
         extras = np.zeros(self._extra_slots())
         extras[0] = loss_sum
         step_t, compute_t, wait_t = self._prev_local
@@ -170,12 +175,10 @@ class Trainer:
         self.optimizer.stage_extras(extras)
 
     def _read_extras(self, extras: np.ndarray, global_count: int) -> None:
-        size = self.world.size
+        cap, n = self._slot_ranks(), self.world.size
         self.last_loss = extras[0] / global_count if global_count else float("nan")
-        self.last_times = StepTimes(extras[1:1 + size].copy(),
-                                    extras[1 + size:1 + 2 * size].copy(),
-                                    extras[1 + 2 * size:1 + 3 * size].copy(),
-                                    extras[1 + 3 * size:1 + 4 * size].copy())
+        self.last_times = StepTimes(*(extras[1 + k * cap:1 + k * cap + n].copy()
+                                      for k in range(4)))
 
     # -- hyper-parameters --------------------------------------------------------------
     def apply_hyperparameters(self) -> None:
@@ -451,6 +454,7 @@ class Trainer:
         self.monitored = self._monitoring_step(self.step + 1)
         opt.track_grad_norms = self.monitored and self.world.size > 1
         opt.set_local_weight(part.weight)
+        opt.set_extra_slots(self._extra_slots())
         opt.zero_grad()
         n_local = len(part.indices)
         if self._sample_file is not None:
