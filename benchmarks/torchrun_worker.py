@@ -17,8 +17,8 @@ from hpcadapt.models import build_model
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--log", required=True)
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--step-log", required=True)
+    ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--hidden", default="4096,2560,1024")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--save-every", type=int, default=5)
@@ -30,8 +30,8 @@ def main():
     model = build_model("mlp", (3, 32, 32), 10, hidden=[int(h) for h in args.hidden.split(",")])
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = 0
-    if os.path.exists(args.ckpt):
-        state = torch.load(args.ckpt, weights_only=True)
+    if os.path.exists(args.checkpoint):
+        state = torch.load(args.checkpoint, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         step = int(state["step"])
@@ -43,13 +43,13 @@ def main():
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         step += 1
-        with open(args.log, "a") as f:
+        with open(args.step_log, "a") as f:
             f.write(json.dumps({"gen": gen, "rank": rank, "step": step, "t": time.time(),
                                 "world": dist.get_world_size()}) + "\n")
         if rank == 0 and step % args.save_every == 0:
-            tmp = args.ckpt + ".tmp"
+            tmp = args.checkpoint + ".tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-            os.replace(tmp, args.ckpt)
+            os.replace(tmp, args.checkpoint)
     dist.destroy_process_group()
 
 
