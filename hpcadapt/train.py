@@ -11,7 +11,8 @@ import logging
 import sys
 from typing import List, Optional
 
-from hpcadapt.policies import add_policy_arguments, build_lr_rule, build_policies
+from hpcadapt.policies import add_policy_arguments, argparse_type, build_lr_rule, build_policies
+from hpcadapt.policies import params
 
 from .allocator import LAUNCHERS
 from .datasets import DATASETS
@@ -25,44 +26,10 @@ __all__ = ["build_parser", "main"]
 log = logging.getLogger(__name__)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-def _momentum(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-def _fraction_open(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+_positive_int = argparse_type(params.positive_int)
+_positive_float = argparse_type(params.positive_float)
+_momentum = argparse_type(params.momentum)
+_fraction_open = argparse_type(params.fraction_open)
 
 
 def _int_list(text: str) -> List[int]:

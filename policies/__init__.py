@@ -18,7 +18,7 @@ from .straggler import Straggler
 
 __all__ = ["Policy", "Decision", "MetricsSnapshot", "Param", "POLICIES", "register",
            "GNSBatchSize", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "LRRule", "Ramp", "LR_RULES",
-           "add_policy_arguments", "build_policies", "build_lr_rule"]
+           "add_policy_arguments", "build_policies", "build_lr_rule", "argparse_type"]
 
 POLICIES: Dict[str, Type[Policy]] = {}
 
@@ -39,7 +39,9 @@ def _dest(policy: str, param: str) -> str:
     return f"{policy}_{param}".replace("-", "_")
 
 
-def _argparse_type(parse):
+def argparse_type(parse):
+    """Wrap a parser from ``policies.params`` for argparse (its ValueError becomes the
+    usage error that names the flag)."""
     def convert(text: str):
         try:
             return parse(text)
@@ -61,11 +63,11 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"policy {name}", doc or None)
         for p in cls.params:
             group.add_argument(f"--{name}-{p.name}", dest=_dest(name, p.name),
-                               type=_argparse_type(p.parse), default=p.default, help=p.help)
+                               type=argparse_type(p.parse), default=p.default, help=p.help)
     group = parser.add_argument_group("learning-rate rule on batch changes")
     for p in RULE_PARAMS:
         group.add_argument(f"--{p.name}", dest=p.name.replace("-", "_"),
-                           type=_argparse_type(p.parse), default=p.default, help=p.help)
+                           type=argparse_type(p.parse), default=p.default, help=p.help)
 
 
 def build_policies(args: argparse.Namespace) -> List[Policy]:

@@ -6,7 +6,7 @@ import math
 from typing import Callable, Dict, List, Sequence, Tuple
 
 __all__ = ["positive_int", "non_negative_int", "positive_float", "float_above", "fraction",
-           "choice", "step_map"]
+           "fraction_open", "momentum", "choice", "step_map"]
 
 
 def positive_int(text: str) -> int:
@@ -55,6 +55,29 @@ def fraction(text: str) -> float:
         raise ValueError(f"expected a number in [0, 1], got {text!r}") from None
     if not 0.0 <= v <= 1.0:
         raise ValueError(f"must be in [0, 1], got {v}")
+    return v
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected {what}, got {text!r}") from None
+
+
+def fraction_open(text: str) -> float:
+    """A weight in (0, 1]."""
+    v = _number(text, "a number in (0, 1]")
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"must be in (0, 1], got {text}")
+    return v
+
+
+def momentum(text: str) -> float:
+    """A momentum coefficient in [0, 1)."""
+    v = _number(text, "a number in [0, 1)")
+    if not 0.0 <= v < 1.0:
+        raise ValueError(f"must be in [0, 1), got {text}")
     return v
 
 
