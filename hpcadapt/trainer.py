@@ -95,6 +95,15 @@ def monitor_interval(cfg: TrainConfig, engine: Optional["PolicyEngine"]) -> int:
     return functools.reduce(math.gcd, intervals) if intervals else cfg.monitor_interval
 
 
+class _CommView:
+    """The little of a World that the broadcast helpers use, for a sub-communicator."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+
+
 class Trainer:
     """Owns model, optimizer, sampler and hyper-parameters; ``run()`` trains to the end.
 
@@ -272,7 +281,7 @@ class Trainer:
             old = self.world.size
             new = self.elastic.join(joiners)
             self.world.replace(new)
-            self.sync_state()
+            self.sync_state(receiving=False)
             self._after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
                                decided)
 
@@ -284,9 +293,25 @@ class Trainer:
         self.sync_state()
         self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
 
-    def sync_state(self) -> None:
+    def sync_state(self, *, receiving: bool = True) -> None:
         """Broadcast the whole training state from rank 0 (parameters, optimizer, data
-        cursor, hyper-parameters, monitor and RNG state) so every replica is identical."""
+        cursor, hyper-parameters, monitor and RNG state) so every replica is identical.
+
+        Every rank of the world calls it; those with ``receiving=False`` (ranks that already
+        hold the state: the running job's, after a grow) split off and take no part in the
+        broadcast, which then reaches only the joiners."""
+        from mpi4py import MPI
+
+        part = self.world.comm.Split(0 if (receiving or self.world.rank == 0) else MPI.UNDEFINED,
+                                     self.world.rank)
+        if part == MPI.COMM_NULL:
+            return
+        try:
+            self._broadcast_state(_CommView(part))
+        finally:
+            part.Free()
+
+    def _broadcast_state(self, view: "_CommView") -> None:
         from .parallel import broadcast_object_state, broadcast_optimizer_state, broadcast_parameters
 
         mine = None
@@ -298,7 +323,7 @@ class Trainer:
                     "sampler": self.sampler.state_dict(), "gns": self.gns.state_dict(),
                     "rng": torch.get_rng_state(), "version": self.world.cluster_version,
                     "accuracy": self.last_accuracy}
-        state = broadcast_object_state(mine, world=self.world)
+        state = broadcast_object_state(mine, world=view)
         if self.world.rank != 0:
             from hpcadapt.policies.lr_rules import Ramp
 
@@ -313,8 +338,8 @@ class Trainer:
             self.last_accuracy = float(state["accuracy"])
             if int(state["version"]) != self.world.cluster_version:
                 self.world._version = int(state["version"])
-        broadcast_parameters(list(self.model.parameters()), world=self.world)
-        broadcast_optimizer_state(self.optimizer.optimizer, world=self.world)
+        broadcast_parameters(list(self.model.parameters()), world=view)
+        broadcast_optimizer_state(self.optimizer.optimizer, world=view)
 
     def replicas_identical(self) -> bool:
         """Whether every rank holds bit-identical parameters (one small allreduce)."""
