@@ -167,12 +167,6 @@ class LocalAllocator:
     def released(self, count: int) -> None:
         log.debug("%d local slots released", count)
 
-    def reap(self) -> None:
-        """Collect the exit status of process workers that have left."""
-        for w in list(self._workers):
-            if isinstance(w, _ProcessWorker) and w.proc.poll() is not None:
-                self._workers.remove(w)
-
     def close(self) -> None:
         for w in self._workers:
             if isinstance(w, _ProcessWorker):

@@ -11,8 +11,6 @@ __all__ = [
     "check_collectives",
     "log_level",
     "slurm_node_name",
-    "slurm_job_id",
-    "launched_by_mpi",
 ]
 
 _DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -57,15 +55,3 @@ def slurm_node_name() -> Optional[str]:
     if name and _NODE_NAME.match(name):
         return name
     return None
-
-
-def slurm_job_id() -> Optional[int]:
-    """The Slurm job id (``SLURM_JOB_ID``) as an integer; None outside a job or if malformed."""
-    raw = os.environ.get("SLURM_JOB_ID", "")
-    return int(raw) if raw.isdigit() else None
-
-
-def launched_by_mpi() -> bool:
-    """True when a launcher (mpiexec/hydra, Open MPI, srun with PMI) started this process."""
-    keys = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
-    return any(k in os.environ for k in keys)

@@ -122,12 +122,6 @@ def world() -> World:
     return _world
 
 
-def set_world(new: World) -> None:
-    """Install a world built elsewhere (a joining worker's merged communicator)."""
-    global _world
-    _world = new
-
-
 def shutdown() -> None:
     """Free hpcadapt's communicators, then wait (idly) for the processes this one was
     launched with. MPI itself is finalised by mpi4py at exit."""
