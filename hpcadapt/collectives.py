@@ -109,11 +109,8 @@ class MPICommunicator:
         request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op._value_])
 
         def finish() -> Array:
-            if op is ReduceOp.AVERAGE and size > 1:
-                if np.issubdtype(buf.dtype, np.integer):
-                    np.floor_divide(buf, size, out=buf)
-                else:
-                    np.multiply(buf, 1.0 / size, out=buf)
+            if op is ReduceOp.AVERAGE:
+                _divide(buf, size)
             write_back()
             return x
 
@@ -152,11 +149,8 @@ class MPICommunicator:
         if self._check:
             self._check_layout("allreduce", buf)
         self._world.comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op._value_])
-        if op is ReduceOp.AVERAGE and self.size > 1:
-            if np.issubdtype(buf.dtype, np.integer):
-                np.floor_divide(buf, self.size, out=buf)
-            else:
-                np.multiply(buf, 1.0 / self.size, out=buf)
+        if op is ReduceOp.AVERAGE:
+            _divide(buf, self.size)
         write_back()
         return x
 
@@ -196,6 +190,15 @@ def check_same_layout(comm: MPI.Intracomm, items: Sequence, *, what: str) -> Non
         raise CommunicationError(
             f"{what}: ranks passed tensors of different shapes or dtypes "
             f"(rank {comm.Get_rank()} has [{mine}]); every rank must pass the same layout")
+
+
+def _divide(buf: np.ndarray, size: int) -> None:
+    """Turn a SUM into an AVERAGE in place (floor division for integer dtypes)."""
+    if size > 1:
+        if np.issubdtype(buf.dtype, np.integer):
+            np.floor_divide(buf, size, out=buf)
+        else:
+            np.multiply(buf, 1.0 / size, out=buf)
 
 
 def _reduce_op(op: Any) -> ReduceOp:
