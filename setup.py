@@ -18,7 +18,9 @@ setup(
         "hpcadapt.policies": "policies",
     },
     packages=["hpcadapt", "hpcadapt.cuda", "hpcadapt.slurm", "hpcadapt.policies"],
-    package_data={"hpcadapt.cuda": ["*.cu"], "hpcadapt.slurm": ["*.sbatch"]},
+    package_data={"hpcadapt.cuda": ["*.cu"],
+                  "hpcadapt.slurm": ["*.sbatch", "testcluster/*.py", "testcluster/up",
+                                     "testcluster/down"]},
     install_requires=[
         "numpy>=1.23",
         "mpi4py>=4.0",

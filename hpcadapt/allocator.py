@@ -43,8 +43,9 @@ class Allocator(Protocol):
     def capacity(self) -> int:
         """The largest world this allocator can provide."""
 
-    def launch(self, count: int, argv: Sequence[str], env: dict) -> List[Worker]:
-        """Start ``count`` workers running ``python argv``; raises AllocationError."""
+    def launch(self, argvs: Sequence[Sequence[str]], env: dict) -> List[Worker]:
+        """Start one worker per entry, running ``python ARGV``; all or none (raises
+        AllocationError, having stopped what it started)."""
 
     def released(self, count: int) -> None:
         """``count`` workers have left; their resources may go back."""
@@ -146,10 +147,10 @@ class LocalAllocator:
                                   "--launcher spawn")
         return found
 
-    def launch(self, count: int, argv: Sequence[str], env: dict) -> List[Worker]:
+    def launch(self, argvs: Sequence[Sequence[str]], env: dict) -> List[Worker]:
         workers: List[Worker] = []
         try:
-            for _ in range(count):
+            for argv in argvs:
                 if self.launcher == "spawn":
                     workers.append(_SpawnedWorker(argv, env))
                 else:

@@ -125,8 +125,12 @@ def join_running_job(ticket: JoinTicket) -> MPI.Intracomm:
     """In a joining worker: say it is ready, connect to rank 0 of the running job, join the
     whole job across that bridge, and take part in admitting the joiners after it; returns
     the job's new communicator."""
-    with open(ticket.port_file(), encoding="utf-8") as f:
-        port = f.read().strip()
+    try:
+        with open(ticket.port_file(), encoding="utf-8") as f:
+            port = f.read().strip()
+    except FileNotFoundError:
+        raise MembershipError(f"no port file in {ticket.directory}: the job this worker was "
+                              f"started for has ended or given up the grow") from None
     _write_atomic(ticket.ready_file(), str(os.getpid()))
     turn = os.path.join(ticket.directory, f"turn-{ticket.worker_id}")
     while not os.path.exists(turn):
@@ -154,14 +158,19 @@ class ElasticController:
 
     ``joiner_argv`` is what a joining worker runs (``python ARGV``); the controller appends
     ``--join-dir DIR --join-id I``. ``on_joined(old_size, new_size)`` runs on every rank of
-    the new world right after the join (state sync); ``on_left`` on every remaining rank."""
+    the new world right after the join (state sync); ``on_left`` on every remaining rank.
+    ``join_root`` holds the folders joiners find the port in: it must be visible from every
+    node a joiner may start on (Slurm: the job's working folder, not /tmp)."""
 
     def __init__(self, world: World, allocator: Allocator, joiner_argv: Sequence[str], *,
-                 join_timeout: float = 120.0):
+                 join_timeout: float = 120.0, min_workers: int = 1,
+                 join_root: Optional[str] = None):
         self.world = world
         self.allocator = allocator
         self.joiner_argv = list(joiner_argv)
         self.join_timeout = join_timeout
+        self.min_workers = min_workers
+        self.join_root = join_root
         self.pending: Optional[_PendingGrow] = None
         self.growing = False   # known on every rank: a grow is pending
         self.left = False      # this process has left the job
@@ -170,9 +179,9 @@ class ElasticController:
     def clip(self, new_size: int, reason: str) -> Optional[int]:
         """The size a request can get, or None when it cannot be carried out (logged)."""
         cap = self.allocator.capacity()
-        if new_size < 1:
-            self._refuse(f"resize to {new_size} refused ({reason}): the world needs at least "
-                         f"one worker")
+        if new_size < self.min_workers:
+            self._refuse(f"resize to {new_size} refused ({reason}): the job keeps at least "
+                         f"{self.min_workers} worker(s) (--min-workers)")
             return None
         if new_size > cap:
             self._refuse(f"resize to {new_size} clipped to {cap} ({reason}): the allocator "
@@ -194,24 +203,24 @@ class ElasticController:
         fails is reported on every rank (rank 0 broadcasts it) and nothing changes."""
         error = ""
         if self.world.rank == 0:
-            directory = tempfile.mkdtemp(prefix="hpcadapt-join-")
+            if self.join_root:
+                os.makedirs(self.join_root, exist_ok=True)
+            directory = tempfile.mkdtemp(prefix="hpcadapt-join-", dir=self.join_root)
             port = MPI.Open_port()
             _write_atomic(os.path.join(directory, "port"), port)
             count = target - self.world.size
             try:
-                workers = []
-                for i in range(count):
-                    argv = self.joiner_argv + ["--join-dir", directory, "--join-id", str(i)]
-                    workers += self.allocator.launch(1, argv, {})
+                workers = self.allocator.launch(
+                    [self.joiner_argv + ["--join-dir", directory, "--join-id", str(i)]
+                     for i in range(count)], {})
                 log.info("grow %d -> %d: started %d joining workers (%s)", self.world.size,
                          target, count, reason)
                 now = time.perf_counter()
                 self.pending = _PendingGrow(target, reason, port, directory, workers, now,
                                             now + self.join_timeout)
             except AllocationError as exc:
-                for w in workers:
-                    w.stop()
                 MPI.Close_port(port)
+                _remove_folder(directory)
                 error = str(exc)
         failed = _bcast_flag(self.world.comm, bool(error))
         if failed:
@@ -266,14 +275,18 @@ class ElasticController:
     def _finish_grow(self) -> None:
         if self.pending is not None:
             MPI.Close_port(self.pending.port)
-            for name in os.listdir(self.pending.directory):
-                os.unlink(os.path.join(self.pending.directory, name))
-            os.rmdir(self.pending.directory)
+            _remove_folder(self.pending.directory)
         self.pending = None
         self.growing = False
 
     def decided_at(self) -> float:
         return self.pending.decided_at if self.pending is not None else float("nan")
+
+
+def _remove_folder(directory: str) -> None:
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
 
 
 def _bcast_flag(comm: MPI.Intracomm, flag: bool) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import List, Optional
 
@@ -15,6 +16,7 @@ from hpcadapt.policies import add_policy_arguments, argparse_type, build_lr_rule
 from hpcadapt.policies import params
 
 from .allocator import LAUNCHERS
+from .preemption import EXIT_REQUEUE, StopSignals, parse_signal
 from .datasets import DATASETS
 from .engine import RESIZE_BATCH
 from .errors import ConfigurationError, HpcAdaptError
@@ -24,6 +26,8 @@ from .monitor import MONITORS
 __all__ = ["build_parser", "main"]
 
 log = logging.getLogger(__name__)
+
+ALLOCATORS = ["auto", "local", "slurm"]
 
 
 _positive_int = argparse_type(params.positive_int)
@@ -40,6 +44,13 @@ def _int_list(text: str) -> List[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers like 256,256, got {text!r}")
     return values
+
+
+def _signal_list(text: str) -> List[str]:
+    try:
+        return [parse_signal(s).name for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,18 +91,37 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("elastic workers")
     e.add_argument("--max-workers", type=_positive_int, default=None,
                    help="allow resizing up to this many workers (local allocator: slots on "
-                        "this host); without it the world keeps its size")
+                        "this host; Slurm: one node per added worker); without it the world "
+                        "keeps its size")
+    e.add_argument("--min-workers", type=_positive_int, default=1,
+                   help="never shrink below this many workers")
+    e.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                   help="where added workers come from: slurm (companion allocations), "
+                        "local (this host), auto (slurm inside a Slurm job, else local)")
     e.add_argument("--launcher", choices=list(LAUNCHERS), default="process",
                    help="how the local allocator starts a joining worker: process (its own "
                         "mpiexec; a crash cannot hurt the job) or spawn (MPI_Comm_spawn; under "
                         "MPICH run mpiexec with -disable-auto-cleanup)")
     e.add_argument("--join-timeout", type=_positive_float, default=120.0,
                    help="seconds a grow may wait for its workers before it is abandoned")
+    e.add_argument("--slurm-partition", default=None,
+                   help="partition for added nodes (default: the job's own)")
+    e.add_argument("--slurm-pending-timeout", type=_positive_float, default=60.0,
+                   help="cancel a node request still pending after this many seconds")
+    e.add_argument("--slurm-mpi", choices=["pmi2", "pmix", "none"], default="pmi2",
+                   help="srun --mpi plugin for added workers (pmi2 for MPICH)")
     e.add_argument("--resize-batch", choices=list(RESIZE_BATCH), default="keep-global",
                    help="on a resize keep the global batch (the local batch changes) or the "
                         "local batch (the global batch changes, with --lr-rule)")
     e.add_argument("--join-dir", default=None, help=argparse.SUPPRESS)
     e.add_argument("--join-id", type=int, default=0, help=argparse.SUPPRESS)
+    c = p.add_argument_group("preemption and requeue")
+    c.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="on a stop signal save the training state here and exit with code "
+                        f"{EXIT_REQUEUE}; when PATH exists at start, resume from it")
+    c.add_argument("--stop-signals", type=_signal_list, default="USR1,TERM",
+                   help="signals that stop training at the next step boundary (with "
+                        "--checkpoint); Slurm: #SBATCH --signal=USR1@120")
     o = p.add_argument_group("output")
     o.add_argument("--metrics-file", default=None, help="write JSON Lines metrics here (rank 0)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -124,6 +154,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     joining = args.join_dir is not None
     if joining:
         _drop_spawn_link()
+    stop_signals = None
+    if args.checkpoint:
+        stop_signals = StopSignals([parse_signal(s) for s in args.stop_signals]).install()
     w = world_mod.init()
     setup_logging(lambda: w.rank)
     cfg = TrainConfig(model=args.model, dataset=args.dataset, epochs=args.epochs,
@@ -145,20 +178,31 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.max_workers < w.size:
                 raise ConfigurationError(f"--max-workers {args.max_workers} is below the "
                                          f"{w.size} workers already running")
-            allocator = LocalAllocator(args.max_workers, launcher=args.launcher)
+            if args.min_workers > args.max_workers:
+                raise ConfigurationError(f"--min-workers {args.min_workers} is above "
+                                         f"--max-workers {args.max_workers}")
+            allocator, join_root = build_allocator(args, w.rank)
             joiner_argv = ["-m", "hpcadapt.train"] + _without_join_flags(
                 list(argv) if argv is not None else sys.argv[1:])
             trainer.elastic = ElasticController(w, allocator, joiner_argv,
-                                                join_timeout=args.join_timeout)
+                                                join_timeout=args.join_timeout,
+                                                min_workers=args.min_workers,
+                                                join_root=join_root)
+        trainer.stop_signals = stop_signals
+        trainer.checkpoint_path = args.checkpoint
+        resumed = False
         if joining:
             w.replace(join_running_job(JoinTicket(args.join_dir, args.join_id)))
             trainer.after_join()
             log.info("joined as rank %d of %d at step %d", w.rank, w.size, trainer.step)
-        elif w.rank == 0:
-            log.info("training %s on %s with %d workers, global batch %d, policies: %s",
-                     cfg.model, cfg.dataset, w.size, cfg.batch_size,
-                     ", ".join(args.policy) or "none")
-        summary = trainer.run(resume=joining)
+        else:
+            if args.checkpoint:
+                resumed = trainer.resume_from_checkpoint(args.checkpoint)
+            if w.rank == 0:
+                log.info("training %s on %s with %d workers, global batch %d, policies: %s",
+                         cfg.model, cfg.dataset, w.size, cfg.batch_size,
+                         ", ".join(args.policy) or "none")
+        summary = trainer.run(resume=joining or resumed)
     except HpcAdaptError as exc:
         log.error("%s", exc)
         world_mod.shutdown()
@@ -170,8 +214,40 @@ def main(argv: Optional[List[str]] = None) -> int:
                 json.dump(summary, f)
     if allocator is not None:
         allocator.close()
+    if summary["stopped"]:
+        world_mod.shutdown()
+        return EXIT_REQUEUE
+    if args.checkpoint and w.rank == 0 and not joining and os.path.exists(args.checkpoint):
+        os.unlink(args.checkpoint)
+        log.info("training finished; removed the preemption checkpoint %s", args.checkpoint)
     world_mod.shutdown()
     return 0
+
+
+def build_allocator(args: argparse.Namespace, rank: int):
+    """The allocator ``--allocator`` asks for, and the folder joiners find the port in.
+
+    Slurm needs its commands and a job to live in; without them it says why in one line
+    (rank 0) and the job uses the local allocator."""
+    from .allocator import LocalAllocator
+
+    if args.allocator in ("auto", "slurm"):
+        from hpcadapt.slurm import SlurmAllocator, in_slurm_job, slurm_available
+
+        why = ""
+        if not slurm_available():
+            why = "no Slurm commands (sbatch, squeue, scancel, scontrol) on this machine"
+        elif not in_slurm_job():
+            why = "not inside a Slurm job (SLURM_JOB_ID is not set)"
+        if not why:
+            # The port folder must be visible from the new nodes: the job's working folder.
+            return (SlurmAllocator(None, args.max_workers, partition=args.slurm_partition,
+                                   pending_timeout=args.slurm_pending_timeout,
+                                   mpi=args.slurm_mpi),
+                    os.path.join(os.getcwd(), ".hpcadapt-join"))
+        if args.allocator == "slurm" and rank == 0:
+            log.warning("Slurm allocator unavailable: %s; using the local allocator", why)
+    return LocalAllocator(args.max_workers, launcher=args.launcher), None
 
 
 def _without_join_flags(argv: List[str]) -> List[str]:

@@ -30,6 +30,7 @@ from .sampler import ElasticSampler
 
 if TYPE_CHECKING:  # pragma: no cover
     from .elastic import ElasticController, ResizeOutcome
+    from .preemption import StopSignals
     from .engine import PolicyEngine
     from hpcadapt.policies.base import MetricsSnapshot
 
@@ -156,6 +157,11 @@ class Trainer:
         self._prev_local = (0.0, 0.0, 0.0)  # this rank's (step, compute, wait) of last step
         self._step_time = 0.0
         self._bar = None
+        # Preemption: signals noted by the handler, agreed on through the extras slot.
+        self.stop_signals: Optional["StopSignals"] = None
+        self.checkpoint_path: Optional[str] = None
+        self.stop_requested = False
+        self.stopped: Optional[str] = None
         self._sample_file = None
         if cfg.sample_log:
             os.makedirs(cfg.sample_log, exist_ok=True)
@@ -169,8 +175,9 @@ class Trainer:
         return max(self.world.size, self.max_workers())
 
     def _extra_slots(self) -> int:
-        # loss sum, then per-rank step, compute and wait times and sample counts.
-        return 1 + 4 * self._slot_ranks()
+        # loss sum, per-rank step, compute and wait times and sample counts, then the
+        # number of ranks that received a stop signal.
+        return 2 + 4 * self._slot_ranks()
 
     def _stage_extras(self, loss_sum: float, n_local: int) -> None:
         size, rank = self._slot_ranks(), self.world.rank
@@ -181,6 +188,7 @@ class Trainer:
         extras[1 + size + rank] = compute_t
         extras[1 + 2 * size + rank] = wait_t
         extras[1 + 3 * size + rank] = n_local
+        extras[-1] = 1.0 if self.stop_signals is not None and self.stop_signals.received else 0.0
         self.optimizer.stage_extras(extras)
 
     def _read_extras(self, extras: np.ndarray, global_count: int) -> None:
@@ -188,6 +196,7 @@ class Trainer:
         self.last_loss = extras[0] / global_count if global_count else float("nan")
         self.last_times = StepTimes(*(extras[1 + k * cap:1 + k * cap + n].copy()
                                       for k in range(4)))
+        self.stop_requested = bool(extras[-1] > 0.5)
 
     # -- hyper-parameters --------------------------------------------------------------
     def apply_hyperparameters(self) -> None:
@@ -314,32 +323,100 @@ class Trainer:
     def _broadcast_state(self, view: "_CommView") -> None:
         from .parallel import broadcast_object_state, broadcast_optimizer_state, broadcast_parameters
 
-        mine = None
-        if self.world.rank == 0:
-            mine = {"step": self.step, "epoch": self.epoch, "batch_size": self.batch_size,
-                    "lr": self.lr, "momentum": self.momentum, "base_lr": self.base_lr,
-                    "base_batch_size": self.base_batch_size,
-                    "ramp": list(self.ramp.__dict__.values()) if self.ramp else None,
-                    "sampler": self.sampler.state_dict(), "gns": self.gns.state_dict(),
-                    "rng": torch.get_rng_state(), "version": self.world.cluster_version,
-                    "accuracy": self.last_accuracy}
+        mine = self.training_state() if self.world.rank == 0 else None
         state = broadcast_object_state(mine, world=view)
         if self.world.rank != 0:
-            from hpcadapt.policies.lr_rules import Ramp
-
-            self.step, self.epoch = int(state["step"]), int(state["epoch"])
-            self.batch_size, self.lr = int(state["batch_size"]), float(state["lr"])
-            self.momentum = float(state["momentum"])
-            self.base_lr, self.base_batch_size = float(state["base_lr"]), int(state["base_batch_size"])
-            self.ramp = Ramp(*state["ramp"]) if state["ramp"] else None
-            self.sampler.load_state_dict(state["sampler"])
-            self.gns.load_state_dict(state["gns"])
-            torch.set_rng_state(state["rng"])
-            self.last_accuracy = float(state["accuracy"])
+            self.load_training_state(state)
             if int(state["version"]) != self.world.cluster_version:
                 self.world._version = int(state["version"])
         broadcast_parameters(list(self.model.parameters()), world=view)
         broadcast_optimizer_state(self.optimizer.optimizer, world=view)
+
+    def training_state(self) -> Dict[str, Any]:
+        """Where training stands, apart from model and optimizer: step, epoch,
+        hyper-parameters, data cursor, monitor and RNG state (torch.save-able)."""
+        return {"step": self.step, "epoch": self.epoch, "batch_size": self.batch_size,
+                "lr": self.lr, "momentum": self.momentum, "base_lr": self.base_lr,
+                "base_batch_size": self.base_batch_size,
+                "ramp": list(self.ramp.__dict__.values()) if self.ramp else None,
+                "sampler": self.sampler.state_dict(), "gns": self.gns.state_dict(),
+                "rng": torch.get_rng_state(), "version": self.world.cluster_version,
+                "accuracy": self.last_accuracy,
+                # Policies decide on rank 0 only; their state matters for a checkpoint.
+                "policies": self.engine.state_dict() if self.engine is not None else {}}
+
+    def load_training_state(self, state: Dict[str, Any]) -> None:
+        from hpcadapt.policies.lr_rules import Ramp
+
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.batch_size, self.lr = int(state["batch_size"]), float(state["lr"])
+        self.momentum = float(state["momentum"])
+        self.base_lr, self.base_batch_size = float(state["base_lr"]), int(state["base_batch_size"])
+        self.ramp = Ramp(*state["ramp"]) if state["ramp"] else None
+        self.sampler.load_state_dict(state["sampler"])
+        self.gns.load_state_dict(state["gns"])
+        torch.set_rng_state(state["rng"])
+        self.last_accuracy = float(state["accuracy"])
+        if self.engine is not None and state.get("policies"):
+            self.engine.load_state_dict(state["policies"])
+
+    # -- checkpoints (preemption) -----------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0: write the whole training state to ``path`` atomically (tmp + rename)."""
+        blob = {"format": 1, "model_name": self.cfg.model, "dataset": self.cfg.dataset,
+                "trainer": self.training_state(), "model": self.model.state_dict(),
+                "optimizer": self.optimizer.optimizer.state_dict()}
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+
+    def resume_from_checkpoint(self, path: str) -> bool:
+        """Every rank: when ``path`` exists (rank 0 decides), rank 0 reads it (tensors and
+        plain data only: weights_only) and the state is broadcast so every replica starts
+        identical. Returns whether training resumed."""
+        error, found = "", False
+        if self.world.rank == 0 and os.path.exists(path):
+            found = True
+            try:
+                blob = torch.load(path, map_location="cpu", weights_only=True)
+                if blob.get("model_name") != self.cfg.model or blob.get("dataset") != self.cfg.dataset:
+                    raise ValueError(f"it holds a {blob.get('model_name')} on "
+                                     f"{blob.get('dataset')}, this run trains a {self.cfg.model} "
+                                     f"on {self.cfg.dataset}")
+                self.model.load_state_dict(blob["model"])
+                self.optimizer.optimizer.load_state_dict(blob["optimizer"])
+                self.load_training_state(blob["trainer"])
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                error = f"cannot resume from {path}: {exc}; remove it or pass another --checkpoint"
+        from .parallel import broadcast_object_state
+
+        verdict = broadcast_object_state({"error": error, "found": found}
+                                         if self.world.rank == 0 else None, world=self.world)
+        if verdict["error"]:
+            raise ConfigurationError(verdict["error"])
+        if not verdict["found"]:
+            return False
+        self.sync_state()
+        if self.world.rank == 0:
+            log.info("resumed from %s at epoch %d, step %d", path, self.epoch, self.step)
+        return True
+
+    def _stop_for_signal(self) -> None:
+        """Every rank, at the step boundary where a stop signal became known: rank 0 saves
+        the state; everyone stops training."""
+        name = (self.stop_signals.received if self.stop_signals and self.stop_signals.received
+                else "a stop signal on another rank")
+        self.stopped = name
+        if self.world.rank == 0:
+            if self.checkpoint_path:
+                self.save_checkpoint(self.checkpoint_path)
+                log.warning("stopped on %s at epoch %d, step %d; state saved to %s",
+                            name, self.epoch, self.step, self.checkpoint_path)
+            else:
+                log.warning("stopped on %s at step %d; no --checkpoint given, state not saved",
+                            name, self.step)
 
     def replicas_identical(self) -> bool:
         """Whether every rank holds bit-identical parameters (one small allreduce)."""
@@ -555,7 +632,8 @@ class Trainer:
             self._hook("before_train")
         accuracy = self.last_accuracy
         first = True
-        while self.epoch < self.cfg.epochs and not self._done() and not self.left:
+        while self.epoch < self.cfg.epochs and not self._done() and not self.left \
+                and not self.stopped:
             if self.sampler.epoch != self.epoch:
                 self.sampler.set_epoch(self.epoch)
             if not (resume and first):
@@ -574,13 +652,16 @@ class Trainer:
                     self._bar.update(count)
                     self._bar.set_postfix(loss=f"{self.last_loss:.3f}", bs=self.batch_size,
                                           n=self.world.size, refresh=False)
+                if self.stop_requested:
+                    self._stop_for_signal()
+                    break
                 if self.engine is not None and self.engine.active and \
                         self.engine.due(self.step, self.monitored):
                     self.engine.run("after_step", self)
                 if not self.left:
                     self._poll_elastic()
             self._close_bar()
-            if self.left:
+            if self.left or self.stopped:
                 break
             elapsed = time.perf_counter() - t_epoch
             accuracy = self.evaluate()
@@ -604,7 +685,8 @@ class Trainer:
                 self.epoch += 1
                 self.sampler.set_epoch(self.epoch)
         if not self.left:
-            self._hook("after_train")
+            if not self.stopped:
+                self._hook("after_train")
             self._finish_elastic()
         self.sink.close()
         if self._sample_file is not None:
@@ -612,7 +694,8 @@ class Trainer:
         return {"final_test_accuracy": accuracy, "steps": self.step, "epochs": self.epoch,
                 "world_size": self.world.size if not self.left else 0,
                 "batch_size": self.batch_size, "lr": self.lr, "left": self.left,
-                "cluster_version": self.world.cluster_version, "resizes": self.resizes}
+                "cluster_version": self.world.cluster_version, "resizes": self.resizes,
+                "stopped": self.stopped}
 
     def _finish_elastic(self) -> None:
         """A grow still pending when training ends is abandoned on every rank."""
