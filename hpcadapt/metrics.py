@@ -99,6 +99,7 @@ class MetricsSink:
             return
         obj = asdict(record) if hasattr(record, "__dataclass_fields__") else dict(record)
         obj["time_s"] = round(time.perf_counter() - self._t0, 6)
+        obj["unix_time"] = round(time.time(), 3)  # to line up with scheduler events
         self._file.write(json.dumps(_clean(obj), sort_keys=True) + "\n")
 
     def close(self) -> None:

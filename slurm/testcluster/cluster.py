@@ -194,7 +194,8 @@ SlurmctldPort={PORTS['slurmctld']}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo={auth}
+# cred_expire is also how long a requeued job waits before it may start again (default 120 s)
+AuthInfo={auth},cred_expire=15
 CredType=cred/munge
 StateSaveLocation={r / 'ctld'}
 SlurmdSpoolDir={r / 'spool'}/%n
@@ -271,8 +272,13 @@ StorageLoc=slurm_acct_db
     # -- state -------------------------------------------------------------------------
     def running(self) -> bool:
         rows = self.recorded()
-        return bool(rows) and all(_alive(pid) for _, pid in rows) and \
-            _run(["scontrol", "ping"], env=self.env(), check=False, timeout=20).returncode == 0
+        if not rows or not all(_alive(pid) for _, pid in rows):
+            return False
+        try:
+            return _run(["scontrol", "ping"], env=self.env(), check=False,
+                        timeout=20).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
 
     # -- down --------------------------------------------------------------------------
     def down(self, quiet: bool = False) -> None:

@@ -1,0 +1,87 @@
+"""Submit a job script and record what Slurm shows of it: the tests and the slurm-resize
+benchmark assert and measure from these observations, taken as a user would (squeue, sinfo)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from hpcadapt.slurm.commands import (SINFO_FORMAT, SQUEUE_FORMAT, JobState, NodeState,
+                                     parse_sbatch_job_id, parse_sinfo_nodes, parse_squeue,
+                                     run_slurm)
+
+__all__ = ["Observation", "JobWatcher", "submit"]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One look at the cluster: every job squeue lists, and every node's state."""
+
+    unix_time: float
+    jobs: Dict[str, JobState]
+    names: Dict[str, str]        # job id -> job name
+    nodes: Dict[str, NodeState]
+
+    def named(self, prefix: str) -> List[JobState]:
+        return [j for i, j in self.jobs.items() if self.names.get(i, "").startswith(prefix)]
+
+
+def submit(script: str, args: Sequence[str] = (), *, env: Optional[Mapping[str, str]] = None,
+           cwd: Optional[str] = None, sbatch_options: Sequence[str] = ()) -> str:
+    """``sbatch --parsable [options] SCRIPT ARGS`` run in ``cwd``; returns the job id."""
+    cmd = ["sbatch", "--parsable"] + list(sbatch_options) + [script] + list(args)
+    here = os.getcwd()
+    try:
+        if cwd:
+            os.chdir(cwd)
+        return parse_sbatch_job_id(run_slurm(cmd, env=dict(env) if env else None))
+    finally:
+        os.chdir(here)
+
+
+class JobWatcher:
+    """Polls squeue and sinfo every ``interval`` seconds in a thread, keeping every look."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.observations: List[Observation] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def look(self) -> Observation:
+        jobs_text = run_slurm(["squeue", "-h", "-t", "all", "-o", SQUEUE_FORMAT])
+        names_text = run_slurm(["squeue", "-h", "-t", "all", "-o", "%i|%j"])
+        nodes_text = run_slurm(["sinfo", "-h", "-N", "-o", SINFO_FORMAT])
+        names = dict(line.split("|", 1) for line in names_text.splitlines() if "|" in line)
+        return Observation(time.time(), parse_squeue(jobs_text), names,
+                           parse_sinfo_nodes(nodes_text))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.observations.append(self.look())
+            except Exception:  # a slow answer is skipped, the next look counts
+                pass
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "JobWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def wait_until_gone(self, job_id: str, timeout: float) -> JobState:
+        """Wait until the job has finished (and is not requeued); returns its last state."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = parse_squeue(run_slurm(["squeue", "-h", "-t", "all", "-j", job_id,
+                                            "-o", SQUEUE_FORMAT])).get(job_id)
+            if state is not None and state.finished:
+                return state
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still not finished after {timeout:.0f} s")
