@@ -1,0 +1,124 @@
+"""slurm-resize: how fast a Slurm job grows onto new nodes and gives them back, on the test
+cluster (slurm/testcluster; started here when none is up, and stopped afterwards).
+
+hpcadapt: ``sbatch slurm/train.sbatch`` on 1 node with a resize-schedule 1 -> 3 -> 1.
+- slurm_grow_s: from the decision to the first step with the new workers, which run on
+  nodes of their own (companion jobs; asserted from squeue), as rank 0 measures it.
+- slurm_release_s: from the shrink decision until both added nodes show idle in sinfo
+  (polled every 0.1 s).
+Baseline, in the same run: what a user does without hpcadapt to go from 1 to 3 nodes: stop
+the 1-node job (USR1, state saved), submit a 3-node job that resumes from the checkpoint.
+- resubmit_restart_s: from the signal to the first step of the 3-node job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from launch import ROOT
+
+sys.path.insert(0, str(ROOT))
+
+TRAIN = str(ROOT / "slurm" / "train.sbatch")
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_JOB", "PMI_"))}
+    env.update(PYTHON=sys.executable, **{k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _records(path: Path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def grow_and_release(folder: Path) -> dict:
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    folder.mkdir(parents=True)
+    args = ["--epochs", "40", "--policy", "resize-schedule", "--resize-schedule-steps",
+            "5:3,10:1", "--resize-schedule-hold", "100", "--metrics-file", "m.jsonl"]
+    with JobWatcher(interval=0.1) as watch:
+        job = submit(TRAIN, args, env=_env(MAX_NODES=3), cwd=str(folder))
+        final = watch.wait_until_gone(job, 600)
+    if final.state != "COMPLETED":
+        raise RuntimeError(f"job {job} ended {final.state}; see {folder}")
+    rows = [r for r in _records(folder / "m.jsonl") if r.get("event") == "resize" and r["ok"]]
+    grow = next(r for r in rows if (r["old_size"], r["new_size"]) == (1, 3))
+    shrink = next(r for r in rows if (r["old_size"], r["new_size"]) == (3, 1))
+    companions = [j for o in watch.observations for j in o.named(f"hpcadapt-join-{job}")
+                  if j.state == "RUNNING"]
+    extra_nodes = {j.nodes for j in companions}
+    main_nodes = {o.jobs[job].nodes for o in watch.observations
+                  if job in o.jobs and o.jobs[job].nodes}
+    if len(extra_nodes) != 2 or extra_nodes & main_nodes:
+        raise RuntimeError(f"added workers not on 2 new nodes: {extra_nodes} vs {main_nodes}")
+    decided = shrink["unix_time"] - shrink["pause_s"]
+    idle_at = next(o.unix_time for o in watch.observations if o.unix_time >= decided and
+                   all(o.nodes[n].idle for n in extra_nodes))
+    return {"slurm_grow_s": grow["decision_to_first_step_s"], "grow_pause_s": grow["pause_s"],
+            "slurm_release_s": idle_at - decided, "shrink_pause_s": shrink["pause_s"],
+            "new_nodes": ",".join(sorted(extra_nodes))}
+
+
+def resubmit_restart(folder: Path) -> dict:
+    from hpcadapt.slurm.commands import run_slurm
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    folder.mkdir(parents=True)
+    ckpt = str(folder / "state.ckpt")
+    args = ["--epochs", "40", "--metrics-file", "m.jsonl"]
+    first = submit(TRAIN, args, env=_env(CHECKPOINT=ckpt), cwd=str(folder),
+                   sbatch_options=["--no-requeue"])
+    metrics = folder / "m.jsonl"
+    while not (metrics.exists() and metrics.read_text().count('"event": "step"') >= 20):
+        time.sleep(0.1)
+    signalled = time.time()
+    run_slurm(["scancel", "--signal=USR1", first])
+    watcher = JobWatcher()
+    watcher.wait_until_gone(first, 300)
+    second = submit(TRAIN, args, env=_env(CHECKPOINT=ckpt, MIN_NODES=3), cwd=str(folder),
+                    sbatch_options=["--nodes=3"])
+    watcher.wait_until_gone(second, 600)
+    steps = [r for r in _records(metrics) if r.get("event") == "step"]
+    first_after = next(r for r in steps if r["unix_time"] > signalled and r["world_size"] == 3)
+    return {"resubmit_restart_s": first_after["unix_time"] - signalled}
+
+
+def run(name, extra):
+    ap = argparse.ArgumentParser(prog=f"run.py {name}")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(extra)
+    from hpcadapt.slurm.testcluster.cluster import TestCluster
+
+    cluster = TestCluster()
+    started = not cluster.running()
+    if started:
+        cluster.up()
+    os.environ["SLURM_CONF"] = str(cluster.slurm_conf)
+    tmp = Path(tempfile.mkdtemp(prefix="hpcadapt-slurm-bench-"))
+    try:
+        runs = [grow_and_release(tmp / f"grow-{i}") for i in range(args.repeats)]
+        base = resubmit_restart(tmp / "resubmit")
+    finally:
+        if started:
+            cluster.down()
+    rows = {f"hpcadapt #{i + 1}": r for i, r in enumerate(runs)}
+    rows["resubmit"] = base
+    grow = statistics.median(r["slurm_grow_s"] for r in runs)
+    release = statistics.median(r["slurm_release_s"] for r in runs)
+    return {"benchmark": "slurm-resize", "rows": rows, "ratios": {
+        "slurm_grow_s": grow,
+        "slurm_release_s": release,
+        "slurm_grow_s_max": max(r["slurm_grow_s"] for r in runs),
+        "slurm_release_s_max": max(r["slurm_release_s"] for r in runs),
+        "resubmit_restart_s": base["resubmit_restart_s"],
+        "resubmit_restart_vs_slurm_grow": base["resubmit_restart_s"] / grow,
+    }}
