@@ -221,7 +221,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.unlink(args.checkpoint)
         log.info("training finished; removed the preemption checkpoint %s", args.checkpoint)
     world_mod.shutdown()
+    if summary["left"]:
+        _exit_now()
     return 0
+
+
+def _exit_now() -> None:
+    """A worker that left the job has written everything; skipping the interpreter's
+    teardown (about 0.7 s with torch loaded) gives its node back to Slurm that much sooner."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_allocator(args: argparse.Namespace, rank: int):

@@ -32,6 +32,8 @@ def test_unknown_dataset_lists_choices(capsys):
     ("--batch-size", "0", "positive"), ("--epochs", "-1", "positive"),
     ("--lr", "nan", "positive finite"), ("--momentum", "1.5", "[0, 1)"),
     ("--hidden", "10,x", "integers"),
+    ("--stop-signals", "USR1,NOPE", "unknown signal 'NOPE'"),
+    ("--slurm-mpi", "openmpi", "invalid choice"), ("--allocator", "k8s", "invalid choice"),
 ])
 def test_bad_values_name_the_rule(capsys, flag, value, words):
     err = parse_error([flag, value], capsys)
