@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cancel a node request still pending after this many seconds")
     e.add_argument("--slurm-mpi", choices=["pmi2", "pmix", "none"], default="pmi2",
                    help="srun --mpi plugin for added workers (pmi2 for MPICH)")
+    e.add_argument("--slurm-grow", choices=["companion", "expand", "auto"], default="companion",
+                   help="how the job gets nodes: companion jobs (any Slurm), job expansion "
+                        "(needs SchedulerParameters=permit_job_expansion), or auto (expansion "
+                        "where the site permits it)")
     e.add_argument("--resize-batch", choices=list(RESIZE_BATCH), default="keep-global",
                    help="on a resize keep the global batch (the local batch changes) or the "
                         "local batch (the global batch changes, with --lr-rule)")
@@ -254,7 +258,7 @@ def build_allocator(args: argparse.Namespace, rank: int):
             # The port folder must be visible from the new nodes: the job's working folder.
             return (SlurmAllocator(None, args.max_workers, partition=args.slurm_partition,
                                    pending_timeout=args.slurm_pending_timeout,
-                                   mpi=args.slurm_mpi),
+                                   mpi=args.slurm_mpi, grow=args.slurm_grow),
                     os.path.join(os.getcwd(), ".hpcadapt-join"))
         if args.allocator == "slurm" and rank == 0:
             log.warning("Slurm allocator unavailable: %s; using the local allocator", why)

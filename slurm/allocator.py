@@ -1,4 +1,6 @@
-"""The Slurm allocator: grow by companion allocations, shrink by letting them end.
+"""The Slurm allocator: grow by companion allocations (any Slurm) or by job expansion (where
+the site permits it: ``--slurm-grow expand``, or ``auto`` to detect it), shrink by giving the
+nodes back.
 
 Each joining worker gets a node of its own through a companion job (``sbatch``, one node,
 ``--exclusive``, excluding the nodes the training already holds) whose batch script
@@ -9,7 +11,7 @@ companion jobs with ``squeue``. A request pending past ``pending_timeout`` is ca
 reported, and the grow is abandoned (training goes on at its size).
 
 Shrinking: a worker that leaves exits at once (it has a COMM_WORLD of its own), its ``srun``
-and then its companion job end, and the node shows idle in ``sinfo``."""
+and then its companion job end, and the node shows idle in ``sinfo``. Job expansion lives in ``expansion``."""
 
 from __future__ import annotations
 
@@ -28,13 +30,16 @@ from hpcadapt.errors import AllocationError
 from .allocation import Allocation, time_left
 from .commands import (FINISHED_STATES, SINFO_FORMAT, SQUEUE_FORMAT, JobState,
                        SlurmCommandError, check_node_name, check_partition, parse_sbatch_job_id,
-                       parse_sinfo_nodes, parse_squeue, run_slurm)
+                       parse_show_config, parse_sinfo_nodes, parse_squeue,
+                       permits_job_expansion, run_slurm)
+from .expansion import JobExpansion
 
 __all__ = ["SlurmAllocator", "CompanionJob", "companion_script"]
 
 log = logging.getLogger(__name__)
 
 MPI_PLUGINS = ("pmi2", "pmix", "none")
+GROW_MODES = ("companion", "expand", "auto")
 
 
 def companion_script() -> str:
@@ -101,12 +106,16 @@ class SlurmAllocator:
 
     def __init__(self, allocation: Optional[Allocation], max_workers: int, *,
                  partition: Optional[str] = None, pending_timeout: float = 60.0,
-                 mpi: str = "pmi2", poll_interval: float = 0.5,
+                 mpi: str = "pmi2", grow: str = "companion", poll_interval: float = 0.5,
                  output: str = "hpcadapt-join-%j.out"):
         if max_workers < 1:
             raise AllocationError(f"--max-workers must be at least 1, got {max_workers}")
         if mpi not in MPI_PLUGINS:
             raise AllocationError(f"unknown srun MPI plugin {mpi!r}; choose from {MPI_PLUGINS}")
+        if grow not in GROW_MODES:
+            raise AllocationError(f"unknown grow mode {grow!r}; choose from {GROW_MODES}")
+        self.grow = grow
+        self._expansion: Optional[JobExpansion] = None
         self._allocation = allocation
         self.max_workers = max_workers
         self._partition = check_partition(partition) if partition else None
@@ -133,8 +142,28 @@ class SlurmAllocator:
     def capacity(self) -> int:
         return self.max_workers
 
+    def _grow_mode(self) -> str:
+        """companion or expand; ``auto`` asks ``scontrol show config`` once."""
+        if self.grow == "auto":
+            config = parse_show_config(run_slurm(["scontrol", "show", "config"]))
+            self.grow = "expand" if permits_job_expansion(config) else "companion"
+            log.info("the site %s job expansion: growing by %s",
+                     "permits" if self.grow == "expand" else "does not permit",
+                     "expanding the job" if self.grow == "expand" else "companion jobs")
+        return self.grow
+
+    def _request_options(self) -> List[str]:
+        """Partition and time limit for node requests: a new node need not outlive the job."""
+        options = [f"--partition={self.partition}"] if self.partition else []
+        left = time_left(self.allocation.job_id)
+        if math.isfinite(left):
+            options.append(f"--time={max(1, math.ceil(left / 60))}")
+        return options
+
     # -- grow -----------------------------------------------------------------------------
     def _nodes_in_use(self) -> List[str]:
+        if self._expansion is not None:
+            return self._expansion.nodes()
         with self._lock:
             live = [j for j in self.jobs if j.error is None]
         used = list(self.allocation.nodes)
@@ -160,19 +189,21 @@ class SlurmAllocator:
                 f"{count} more node(s) requested, but partition {self.partition!r} has "
                 f"{len(nodes)} nodes and {len(nodes) - len(free)} of them are this job's")
 
-    def launch(self, argvs: Sequence[Sequence[str]], env: dict) -> List[CompanionJob]:
+    def launch(self, argvs: Sequence[Sequence[str]], env: dict) -> list:
         in_use = self._nodes_in_use()
         self._check_partition(len(argvs), in_use)
-        left = time_left(self.allocation.job_id)
+        submit_env = {**_companion_environ(), **env}
+        if self._grow_mode() == "expand":
+            if self._expansion is None:
+                self._expansion = JobExpansion(
+                    self.allocation.job_id, self.allocation.nodes, env=submit_env,
+                    mpi=self.mpi, pending_timeout=self.pending_timeout,
+                    extra_sbatch=self._request_options)
+            return self._expansion.launch(argvs)
         base = ["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--exclusive",
                 f"--job-name=hpcadapt-join-{self.allocation.job_id}",
                 f"--output={self.output}", f"--exclude={','.join(in_use)}"]
-        if self.partition:
-            base.append(f"--partition={self.partition}")
-        if math.isfinite(left):
-            # A companion need not outlive the job it joins.
-            base.append(f"--time={max(1, math.ceil(left / 60))}")
-        submit_env = {**_companion_environ(), **env}
+        base += self._request_options()
         started: List[CompanionJob] = []
         try:
             for argv in argvs:
@@ -224,12 +255,17 @@ class SlurmAllocator:
     # -- shrink -----------------------------------------------------------------------------
     def released(self, count: int) -> None:
         """The leavers exit at once; their companion jobs end with them."""
+        if self._expansion is not None:
+            self._expansion.released(count)
+            return
         log.info("%d worker(s) left; their companion jobs end as they exit", count)
         self._wake.set()
 
     def close(self, wait_s: float = 30.0) -> None:
         """Cancel companions still pending; give running ones (workers finishing with us)
         ``wait_s`` to end, then cancel them."""
+        if self._expansion is not None:
+            self._expansion.close(wait_s)
         deadline = time.monotonic() + wait_s
         with self._lock:
             jobs = list(self.jobs)

@@ -18,6 +18,7 @@ from hpcadapt.errors import AllocationError
 __all__ = ["SlurmCommandError", "slurm_available", "run_slurm", "check_job_id", "check_node_name",
            "check_partition", "parse_sbatch_job_id", "parse_hostnames", "parse_key_values",
            "parse_duration", "parse_cpus_per_node", "parse_squeue", "parse_sinfo_nodes",
+           "parse_salloc_job_id", "parse_show_config", "permits_job_expansion",
            "JobState", "NodeState", "FINISHED_STATES"]
 
 _JOB_ID = re.compile(r"^[0-9]{1,10}(_[0-9]{1,10})?$")
@@ -207,3 +208,24 @@ def parse_sinfo_nodes(stdout: str) -> Dict[str, NodeState]:
         out.setdefault(name, NodeState(name, state.rstrip("*~#!%$@^-"), int(cpus),
                                        partition.rstrip("*")))
     return out
+
+
+def parse_salloc_job_id(stderr: str) -> Optional[str]:
+    """The job id from salloc's ``Pending|Granted job allocation N`` lines (None if absent)."""
+    m = re.search(r"(?:Pending|Granted) job allocation (\d+)", stderr)
+    return m.group(1) if m else None
+
+
+def parse_show_config(stdout: str) -> Dict[str, str]:
+    """``scontrol show config``: ``Key = Value`` lines."""
+    out: Dict[str, str] = {}
+    for line in stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            out.setdefault(key.strip(), value.strip())
+    return out
+
+
+def permits_job_expansion(config: Dict[str, str]) -> bool:
+    params = config.get("SchedulerParameters", "")
+    return "permit_job_expansion" in [p.strip() for p in params.split(",")]

@@ -20,8 +20,9 @@ from hpcadapt.errors import AllocationError
 from hpcadapt.slurm.commands import (check_hostlist, check_job_id, check_node_name,
                                      check_partition, parse_cpus_per_node, parse_duration,
                                      parse_hostnames, parse_key_values, parse_sbatch_job_id,
-                                     parse_sinfo_nodes, parse_squeue, run_slurm,
-                                     SlurmCommandError)
+                                     parse_salloc_job_id, parse_show_config,
+                                     parse_sinfo_nodes, parse_squeue, permits_job_expansion,
+                                     run_slurm, SlurmCommandError)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "slurm"
@@ -51,6 +52,11 @@ def test_parsers_read_recorded_slurm_output():
     assert [n.state for n in nodes.values()] == ["allocated", "allocated", "idle", "idle"]
     assert nodes["n1"].cpus == 2 and nodes["n1"].partition == "debug"
     assert all(n.idle for n in parse_sinfo_nodes(data("sinfo_nodes_idle.txt")).values())
+    config = parse_show_config(data("scontrol_show_config.txt"))
+    assert config["ClusterName"] == "hpcadapt" and permits_job_expansion(config)
+    assert not permits_job_expansion({"SchedulerParameters": "bf_continue,permit_job_expansionX"})
+    assert parse_salloc_job_id(data("salloc_pending.err")) == "73"
+    assert parse_salloc_job_id("salloc: error: invalid partition specified: x") is None
 
 
 def test_durations_and_cpu_lists():
@@ -172,36 +178,54 @@ def test_allocation_is_read_from_the_job_environment(cluster):
     assert 200 < left <= 300
 
 
+def hostnames(nodelist: str) -> set:
+    return set(parse_hostnames(run_slurm(["scontrol", "show", "hostnames", nodelist])))
+
+
 @pytest.mark.slurm
-def test_grow_to_three_nodes_and_back_releases_the_nodes_while_training_goes_on(cluster, tmp_path):
+@pytest.mark.parametrize("mode", ["companion", "expand"])
+def test_grow_to_three_nodes_and_back_releases_the_nodes_while_training_goes_on(cluster, tmp_path,
+                                                                               mode):
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
     args = ["--epochs", "40", "--policy", "resize-schedule", "--resize-schedule-steps", "5:3,10:1",
             "--resize-schedule-hold", "150", "--metrics-file", "m.jsonl", "--sample-log",
-            "samples", "--check-replicas"]
+            "samples", "--check-replicas", "--slurm-grow", mode]
     with JobWatcher() as watch:
         job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=3), cwd=str(tmp_path))
         final = watch.wait_until_gone(job, 600)
     out = job_output(tmp_path, job)
     assert final.state == "COMPLETED", out[-3000:]
-    obs = watch.observations
+    obs = [o for o in watch.observations if job in o.jobs]
     companions = f"hpcadapt-join-{job}"
 
-    def main_running(o):
-        return o.jobs.get(job) is not None and o.jobs[job].state == "RUNNING"
+    def running(o):
+        return o.jobs[job].state == "RUNNING"
 
-    grown = [i for i, o in enumerate(obs) if main_running(o) and
-             len([j for j in o.named(companions) if j.state == "RUNNING"]) == 2]
-    assert grown, "never saw two companion jobs running beside the training job"
-    at = obs[grown[0]]
-    extra_nodes = {j.nodes for j in at.named(companions)}
-    assert len(extra_nodes) == 2 and at.jobs[job].nodes not in extra_nodes
-    assert all(at.nodes[n].state == "allocated" for n in extra_nodes)
-    released = [o for o in obs[grown[-1]:] if main_running(o) and
+    first_node = hostnames(next(o.jobs[job].nodes for o in obs if running(o)))
+    assert len(first_node) == 1
+    if mode == "companion":
+        # Two companion jobs, one node each, beside the training job.
+        grown = [i for i, o in enumerate(obs) if running(o) and
+                 len([j for j in o.named(companions) if j.state == "RUNNING"]) == 2]
+        assert grown, "never saw two companion jobs running beside the training job"
+        extra_nodes = {j.nodes for j in obs[grown[0]].named(companions)}
+        assert all(j.state == "COMPLETED" for j in obs[-1].named(companions))
+    else:
+        # The training job itself holds three nodes, then one again; no companion jobs.
+        grown = [i for i, o in enumerate(obs) if running(o) and
+                 len(hostnames(o.jobs[job].nodes)) == 3]
+        assert grown, "never saw the training job expanded to three nodes"
+        extra_nodes = hostnames(obs[grown[0]].jobs[job].nodes) - first_node
+        assert not any(o.named(companions) for o in obs)
+        shrunk = [o for o in obs[grown[-1]:] if running(o) and
+                  hostnames(o.jobs[job].nodes) == first_node]
+        assert shrunk, "the job's node list never went back to its first node"
+    assert len(extra_nodes) == 2 and not extra_nodes & first_node
+    assert all(obs[grown[0]].nodes[n].state == "allocated" for n in extra_nodes)
+    released = [o for o in obs[grown[-1]:] if running(o) and
                 all(o.nodes[n].idle for n in extra_nodes)]
     assert released, "the added nodes were not idle in sinfo while the training still ran"
-    # Slurm's own account: both companion jobs ran to their end.
-    assert all(j.state == "COMPLETED" for j in obs[-1].named(companions))
 
     summary = summary_of(out)
     assert summary["final_test_accuracy"] >= 0.95 and summary["world_size"] == 1
@@ -242,7 +266,8 @@ def test_requests_that_cannot_be_met_leave_training_running_with_the_reason(clus
 
 
 @pytest.mark.slurm
-def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, tmp_path):
+@pytest.mark.parametrize("mode", ["companion", "expand"])
+def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, tmp_path, mode):
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
     blocker = run_slurm(["sbatch", "--parsable", "-N3", "--exclusive", "-o", "/dev/null",
@@ -251,16 +276,20 @@ def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, t
         with JobWatcher() as watch:
             job = submit(TRAIN_SBATCH, ["--epochs", "40", "--policy", "resize-schedule",
                                         "--resize-schedule-steps", "3:2",
-                                        "--slurm-pending-timeout", "4"],
+                                        "--slurm-pending-timeout", "4", "--slurm-grow", mode],
                          env=job_env(MAX_NODES=2), cwd=str(tmp_path))
             final = watch.wait_until_gone(job, 600)
     finally:
         run_slurm(["scancel", blocker])
     out = job_output(tmp_path, job)
     assert final.state == "COMPLETED", out[-3000:]
-    assert "still pending after 4 s (reason Resources); cancelled" in out
-    companions = watch.observations[-1].named(f"hpcadapt-join-{job}")
-    assert [c.state for c in companions] == ["CANCELLED"]
+    if mode == "companion":
+        assert "still pending after 4 s (reason Resources); cancelled" in out
+        requests = watch.observations[-1].named(f"hpcadapt-join-{job}")
+    else:
+        assert "by 1 node(s)" in out and "still pending after 4 s; cancelled" in out
+        requests = watch.observations[-1].named(f"hpcadapt-expand-{job}")
+    assert [c.state for c in requests] == ["CANCELLED"]
     s = summary_of(out)
     assert s["world_size"] == 1 and s["epochs"] == 40 and s["final_test_accuracy"] >= 0.95
 
