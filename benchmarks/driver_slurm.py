@@ -1,9 +1,10 @@
 """slurm-resize: how fast a Slurm job grows onto new nodes and gives them back, on the test
 cluster (slurm/testcluster; started here when none is up, and stopped afterwards).
 
-hpcadapt: ``sbatch slurm/train.sbatch`` on 1 node with a resize-schedule 1 -> 3 -> 1.
+hpcadapt: ``sbatch slurm/train.sbatch`` on 1 node with a resize-schedule 1 -> 3 -> 1, growing
+by companion jobs (the default) and, separately, by job expansion (``--slurm-grow expand``).
 - slurm_grow_s: from the decision to the first step with the new workers, which run on
-  nodes of their own (companion jobs; asserted from squeue), as rank 0 measures it.
+  nodes of their own (checked from squeue), as rank 0 measures it.
 - slurm_release_s: from the shrink decision until both added nodes show idle in sinfo
   (polled every 0.1 s).
 Baseline, in the same run: what a user does without hpcadapt to go from 1 to 3 nodes: stop
@@ -39,12 +40,19 @@ def _records(path: Path):
         return [json.loads(line) for line in f]
 
 
-def grow_and_release(folder: Path) -> dict:
+def _hostnames(nodelist: str) -> set:
+    from hpcadapt.slurm.commands import parse_hostnames, run_slurm
+
+    return set(parse_hostnames(run_slurm(["scontrol", "show", "hostnames", nodelist])))
+
+
+def grow_and_release(folder: Path, mode: str) -> dict:
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
     folder.mkdir(parents=True)
     args = ["--epochs", "40", "--policy", "resize-schedule", "--resize-schedule-steps",
-            "5:3,10:1", "--resize-schedule-hold", "100", "--metrics-file", "m.jsonl"]
+            "5:3,10:1", "--resize-schedule-hold", "100", "--metrics-file", "m.jsonl",
+            "--slurm-grow", mode]
     with JobWatcher(interval=0.1) as watch:
         job = submit(TRAIN, args, env=_env(MAX_NODES=3), cwd=str(folder))
         final = watch.wait_until_gone(job, 600)
@@ -53,11 +61,14 @@ def grow_and_release(folder: Path) -> dict:
     rows = [r for r in _records(folder / "m.jsonl") if r.get("event") == "resize" and r["ok"]]
     grow = next(r for r in rows if (r["old_size"], r["new_size"]) == (1, 3))
     shrink = next(r for r in rows if (r["old_size"], r["new_size"]) == (3, 1))
-    companions = [j for o in watch.observations for j in o.named(f"hpcadapt-join-{job}")
-                  if j.state == "RUNNING"]
-    extra_nodes = {j.nodes for j in companions}
-    main_nodes = {o.jobs[job].nodes for o in watch.observations
+    main_lists = {o.jobs[job].nodes for o in watch.observations
                   if job in o.jobs and o.jobs[job].nodes}
+    main_nodes = _hostnames(min(main_lists, key=lambda n: len(_hostnames(n))))
+    if mode == "companion":
+        extra_nodes = {j.nodes for o in watch.observations
+                       for j in o.named(f"hpcadapt-join-{job}") if j.state == "RUNNING"}
+    else:
+        extra_nodes = set().union(*(_hostnames(n) for n in main_lists)) - main_nodes
     if len(extra_nodes) != 2 or extra_nodes & main_nodes:
         raise RuntimeError(f"added workers not on 2 new nodes: {extra_nodes} vs {main_nodes}")
     decided = shrink["unix_time"] - shrink["pause_s"]
@@ -105,12 +116,14 @@ def run(name, extra):
     os.environ["SLURM_CONF"] = str(cluster.slurm_conf)
     tmp = Path(tempfile.mkdtemp(prefix="hpcadapt-slurm-bench-"))
     try:
-        runs = [grow_and_release(tmp / f"grow-{i}") for i in range(args.repeats)]
+        runs = [grow_and_release(tmp / f"grow-{i}", "companion") for i in range(args.repeats)]
+        expand = [grow_and_release(tmp / f"expand-{i}", "expand") for i in range(args.repeats)]
         base = resubmit_restart(tmp / "resubmit")
     finally:
         if started:
             cluster.down()
-    rows = {f"hpcadapt #{i + 1}": r for i, r in enumerate(runs)}
+    rows = {f"companion #{i + 1}": r for i, r in enumerate(runs)}
+    rows.update({f"expand #{i + 1}": r for i, r in enumerate(expand)})
     rows["resubmit"] = base
     grow = statistics.median(r["slurm_grow_s"] for r in runs)
     release = statistics.median(r["slurm_release_s"] for r in runs)
@@ -119,6 +132,8 @@ def run(name, extra):
         "slurm_release_s": release,
         "slurm_grow_s_max": max(r["slurm_grow_s"] for r in runs),
         "slurm_release_s_max": max(r["slurm_release_s"] for r in runs),
+        "expand_slurm_grow_s": statistics.median(r["slurm_grow_s"] for r in expand),
+        "expand_slurm_release_s": statistics.median(r["slurm_release_s"] for r in expand),
         "resubmit_restart_s": base["resubmit_restart_s"],
         "resubmit_restart_vs_slurm_grow": base["resubmit_restart_s"] / grow,
     }}
