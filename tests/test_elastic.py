@@ -41,7 +41,7 @@ def test_train_2_4_3_1_2_workers(tmp_path):
     common = ["-m", "hpcadapt.train", "--model", "cnn", "--epochs", "40", "--no-progress",
               "--lr", "0.05"]
     metrics, samples = tmp_path / "elastic.jsonl", tmp_path / "samples"
-    run_mpi(2, common + ["--max-workers", "4", "--policy", "resize-schedule",
+    run_mpi(2, common + ["--allocator", "local", "--max-workers", "4", "--policy", "resize-schedule",
                          "--resize-schedule-steps", "5:4,450:3,500:1,550:2",
                          "--check-replicas", "--metrics-file", str(metrics),
                          "--sample-log", str(samples)], timeout=900)
