@@ -9,8 +9,9 @@ from typing import Mapping, Optional, Tuple
 
 from hpcadapt.errors import AllocationError
 
-from .commands import (SQUEUE_FORMAT, check_hostlist, check_job_id, check_partition,
-                       parse_cpus_per_node, parse_hostnames, parse_squeue, run_slurm)
+from .commands import (SQUEUE_FORMAT, SlurmCommandError, check_hostlist, check_job_id,
+                       check_partition, parse_cpus_per_node, parse_hostnames, parse_squeue,
+                       run_slurm)
 
 __all__ = ["Allocation", "in_slurm_job"]
 
@@ -63,8 +64,11 @@ class Allocation:
 
 def time_left(job_id: str) -> float:
     """Seconds the job has left (inf without a limit, nan when squeue cannot tell)."""
-    out = run_slurm(["squeue", "-h", "-j", check_job_id(job_id), "-o", SQUEUE_FORMAT])
-    state = parse_squeue(out).get(job_id)
+    cmd = ["squeue", "-h", "-j", check_job_id(job_id), "-o", SQUEUE_FORMAT]
+    try:
+        state = parse_squeue(run_slurm(cmd)).get(job_id)
+    except ValueError as exc:
+        raise SlurmCommandError(cmd, f"unparsable output: {exc}") from None
     if state is None:
         return math.nan
     return state.time_left_s

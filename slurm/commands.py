@@ -51,6 +51,8 @@ def run_slurm(cmd: Sequence[str], *, timeout: float = 30.0, env: Optional[dict] 
                               env=env, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise SlurmCommandError(cmd, f"{cmd[0]} not found; is Slurm installed here?") from None
+    except OSError as exc:
+        raise SlurmCommandError(cmd, f"could not run: {exc}") from None
     except subprocess.TimeoutExpired:
         raise SlurmCommandError(cmd, f"no answer within {timeout:.0f} s (slurmctld down?)") from None
     if proc.returncode != 0:

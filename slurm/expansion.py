@@ -88,7 +88,7 @@ class JobExpansion:
     def _grow(self, workers: List[ExpansionWorker]) -> None:
         try:
             nodes = self._expand(len(workers))
-        except AllocationError as exc:
+        except (AllocationError, ValueError, OSError, subprocess.SubprocessError) as exc:
             for w in workers:
                 w.error = str(exc)
             return

@@ -244,25 +244,35 @@ def test_requests_that_cannot_be_met_leave_training_running_with_the_reason(clus
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
     common = ["--epochs", "3", "--policy", "resize-schedule", "--metrics-file", "m.jsonl"]
-    too_many, bad_partition = tmp_path / "too-many", tmp_path / "bad-partition"
-    too_many.mkdir()
-    bad_partition.mkdir()
+    too_many, bad_partition, limit = (tmp_path / "too-many", tmp_path / "bad-partition",
+                                      tmp_path / "limit")
+    for folder in (too_many, bad_partition, limit):
+        folder.mkdir()
     with JobWatcher() as watch:
         a = submit(TRAIN_SBATCH, common + ["--resize-schedule-steps", "3:6"],
                    env=job_env(MAX_NODES=6), cwd=str(too_many))
         b = submit(TRAIN_SBATCH, common + ["--resize-schedule-steps", "3:2",
                                            "--slurm-partition", "nope"],
                    env=job_env(MAX_NODES=2), cwd=str(bad_partition))
-        states = [watch.wait_until_gone(j, 300) for j in (a, b)]
-    assert [s.state for s in states] == ["COMPLETED", "COMPLETED"]
-    out_a, out_b = job_output(too_many, a), job_output(bad_partition, b)
+        # The test cluster's partition "short" allows one minute; the job has an hour left.
+        c = submit(TRAIN_SBATCH, common + ["--resize-schedule-steps", "3:2",
+                                           "--slurm-partition", "short"],
+                   env=job_env(MAX_NODES=2), cwd=str(limit))
+        states = [watch.wait_until_gone(j, 300) for j in (a, b, c)]
+    assert [s.state for s in states] == ["COMPLETED"] * 3
+    out_a, out_b, out_c = (job_output(too_many, a), job_output(bad_partition, b),
+                           job_output(limit, c))
     assert "5 more node(s) requested, but partition 'debug' has 4 nodes" in out_a
     assert "partition 'nope' has no nodes or does not exist" in out_b
-    for out in (out_a, out_b):
+    # The failing command and its stderr, as Slurm printed it.
+    assert "`sbatch --parsable --nodes=1" in out_c and "--partition=short" in out_c
+    assert "exit code 1: sbatch: error: Batch job submission failed: Requested time limit " \
+           "is invalid" in out_c
+    for out in (out_a, out_b, out_c):
         s = summary_of(out)
         assert s["world_size"] == 1 and s["epochs"] == 3 and not s["resizes"][0]["ok"]
         assert "training goes on with 1 workers" in out
-    assert not any(o.named(f"hpcadapt-join-{j}") for o in watch.observations for j in (a, b))
+    assert not any(o.named(f"hpcadapt-join-{j}") for o in watch.observations for j in (a, b, c))
 
 
 @pytest.mark.slurm

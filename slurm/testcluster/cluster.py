@@ -58,7 +58,7 @@ def ensure_packages() -> None:
                            f"{' '.join(missing)}) or run this as root")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     print(f"installing {' '.join(missing)} ...", flush=True)
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends"] + missing
+    install = ["apt-get", "install", "-y", "-q"] + missing
     if _run(install, env=env, check=False, timeout=900).returncode != 0:
         _run(["apt-get", "update", "-q"], env=env, timeout=600)
         _run(install, env=env, timeout=900)
@@ -218,6 +218,7 @@ SlurmdParameters=config_overrides
 SchedulerParameters=permit_job_expansion
 SchedulerType=sched/backfill
 JobRequeue=1
+EnforcePartLimits=ALL
 ReturnToService=2
 KillWait=10
 MinJobAge=300
@@ -227,6 +228,8 @@ SlurmdTimeout=60
 MessageTimeout=10
 NodeName=n[1-{self.nodes}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{first}-{last}] CPUs={self.cpus} State=UNKNOWN
 PartitionName=debug Nodes=n[1-{self.nodes}] Default=YES MaxTime=INFINITE State=UP
+# A partition with a limit, to see a request refused: jobs of at most one minute.
+PartitionName=short Nodes=n[1-{self.nodes}] MaxTime=1 State=UP
 """
         self.slurm_conf.write_text(conf, encoding="utf-8")
         dbd = f"""AuthType=auth/munge
