@@ -12,12 +12,27 @@ import logging
 import signal
 from typing import Dict, Optional, Sequence
 
-__all__ = ["StopSignals", "EXIT_REQUEUE", "parse_signal"]
+__all__ = ["StopSignals", "EXIT_REQUEUE", "parse_signal", "block_stop_signals",
+           "unblock_stop_signals"]
 
 log = logging.getLogger(__name__)
 
 # EX_TEMPFAIL from sysexits.h: a temporary failure, to be retried (the job script requeues).
 EXIT_REQUEUE = 75
+
+# Blocked (not ignored) from the first line of the entry point until the handlers are in
+# place: a signal that comes while torch loads stays pending instead of killing the process.
+# Slurm can send the time-limit signal right after a requeued job starts.
+EARLY_BLOCKED = (signal.SIGUSR1, signal.SIGTERM)
+
+
+def block_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED)
+
+
+def unblock_stop_signals() -> None:
+    """Deliver what came while blocked: to the handlers, or (none installed) by default."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, EARLY_BLOCKED)
 
 
 def parse_signal(name: str) -> signal.Signals:
@@ -50,6 +65,7 @@ class StopSignals:
     def install(self) -> "StopSignals":
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        unblock_stop_signals()
         return self
 
     def restore(self) -> None:

@@ -5,6 +5,12 @@ single rank."""
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # First, before torch loads: a stop signal from the scheduler waits until it can be handled.
+    from hpcadapt.preemption import block_stop_signals
+
+    block_stop_signals()
+
 import argparse
 import json
 import logging
@@ -16,7 +22,7 @@ from hpcadapt.policies import add_policy_arguments, argparse_type, build_lr_rule
 from hpcadapt.policies import params
 
 from .allocator import LAUNCHERS
-from .preemption import EXIT_REQUEUE, StopSignals, parse_signal
+from .preemption import EXIT_REQUEUE, StopSignals, parse_signal, unblock_stop_signals
 from .datasets import DATASETS
 from .engine import RESIZE_BATCH
 from .errors import ConfigurationError, HpcAdaptError
@@ -161,6 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     stop_signals = None
     if args.checkpoint:
         stop_signals = StopSignals([parse_signal(s) for s in args.stop_signals]).install()
+    else:
+        unblock_stop_signals()
     w = world_mod.init()
     setup_logging(lambda: w.rank)
     cfg = TrainConfig(model=args.model, dataset=args.dataset, epochs=args.epochs,

@@ -95,3 +95,17 @@ def test_signal_to_one_rank_saves_state_and_the_restart_finishes_exactly_once(tm
     assert _summary(second.stdout)["final_test_accuracy"] == \
         _summary(reference.stdout)["final_test_accuracy"]
     assert _summary(second.stdout)["steps"] == _summary(reference.stdout)["steps"]
+
+
+def test_a_signal_during_start_up_waits_for_the_handler(tmp_path):
+    """Slurm may signal a requeued job the moment it starts, while torch still loads."""
+    ckpt = tmp_path / "state.ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcadapt.train", "--epochs", "2",
+                             "--no-progress", "--checkpoint", str(ckpt)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.3)  # the interpreter is up; torch is not loaded yet
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_REQUEUE, err[-3000:]
+    assert _summary(out)["steps"] == 1 and ckpt.exists()
+    assert "stopped on SIGUSR1 at epoch 0, step 1; state saved" in err
