@@ -331,3 +331,23 @@ def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster
     assert summary["epochs"] == epochs and summary["final_test_accuracy"] >= 0.95
     assert_exactly_once(tmp_path, epochs)
     assert not (tmp_path / f"hpcadapt-{job}.ckpt").exists()  # removed once training finished
+
+
+@pytest.mark.slurm
+def test_time_limit_signal_requeues_until_the_training_is_done(cluster, tmp_path):
+    """The real thing: a two-minute job that needs longer. Slurm sends USR1 100 s before the
+    limit, the state is saved, the job requeued, and so on until the training finishes."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    epochs = 150
+    job = submit(TRAIN_SBATCH, ["--epochs", str(epochs), "--sample-log", "samples"],
+                 env=job_env(), cwd=str(tmp_path),
+                 sbatch_options=["--time=2", "--signal=USR1@100"])
+    final = JobWatcher().wait_until_gone(job, 900)
+    out = job_output(tmp_path, job)
+    assert final.state == "COMPLETED", out[-3000:]
+    restarts = int(parse_key_values(run_slurm(["scontrol", "show", "job", job]))["Restarts"])
+    assert restarts >= 1
+    assert out.count("stopped on SIGUSR1") == restarts == out.count("resumed from")
+    assert summary_of(out)["epochs"] == epochs
+    assert_exactly_once(tmp_path, epochs)
