@@ -6,10 +6,7 @@ import json
 import os
 import socket
 import statistics
-import time
 from typing import Callable, Dict, List
-
-import numpy as np
 
 
 def free_port() -> int:

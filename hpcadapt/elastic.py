@@ -20,11 +20,10 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from .allocator import Allocator, Worker

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .trainer import Trainer
 
 from hpcadapt.policies.base import Decision, MetricsSnapshot, Policy
-from hpcadapt.policies.lr_rules import LRRule, Ramp
+from hpcadapt.policies.lr_rules import LRRule
 
 __all__ = ["PolicyEngine"]
 

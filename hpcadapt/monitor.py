@@ -21,10 +21,9 @@ noise scale), and the signal-to-noise ratio of the global gradient is |G|^2 / (t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
 
-import numpy as np
 import torch
 
 from .errors import ConfigurationError

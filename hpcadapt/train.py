@@ -156,7 +156,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from . import runtime as world_mod
     from .logs import setup_logging
-    from .allocator import LocalAllocator
     from .elastic import ElasticController, JoinTicket, join_running_job
     from .engine import PolicyEngine
     from .trainer import TrainConfig, Trainer

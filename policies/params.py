@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 __all__ = ["positive_int", "non_negative_int", "positive_float", "float_above", "fraction",
            "fraction_open", "momentum", "choice", "step_map"]

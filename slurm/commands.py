@@ -44,11 +44,12 @@ def slurm_available() -> bool:
     return all(shutil.which(tool) for tool in ("sbatch", "squeue", "scancel", "scontrol"))
 
 
-def run_slurm(cmd: Sequence[str], *, timeout: float = 30.0, env: Optional[dict] = None) -> str:
+def run_slurm(cmd: Sequence[str], *, timeout: float = 30.0, env: Optional[dict] = None,
+              cwd: Optional[str] = None) -> str:
     """Run a Slurm command; returns stdout, raises SlurmCommandError with its stderr."""
     try:
         proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                              env=env, stdin=subprocess.DEVNULL)
+                              env=env, cwd=cwd, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise SlurmCommandError(cmd, f"{cmd[0]} not found; is Slurm installed here?") from None
     except OSError as exc:

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from hpcadapt.allocator import LocalAllocator
 from hpcadapt.elastic import (ABANDON, JOIN, ElasticController, JoinTicket, join_running_job,
                               split_leavers)
-from hpcadapt.runtime import World, wait_for_launch_siblings
+from hpcadapt.runtime import World
 
 
 def children_of(pid):

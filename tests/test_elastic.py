@@ -3,7 +3,6 @@ connected through MPI ports, shrinks by split."""
 
 import json
 import os
-import sys
 
 import pytest
 from mpi4py import MPI

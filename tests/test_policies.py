@@ -1,7 +1,5 @@
 """Policies and the engine's decision logic, without MPI."""
 
-import math
-
 import pytest
 
 from hpcadapt import ConfigurationError

@@ -3,7 +3,6 @@ benchmark assert and measure from these observations, taken as a user would (squ
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -33,13 +32,7 @@ def submit(script: str, args: Sequence[str] = (), *, env: Optional[Mapping[str, 
            cwd: Optional[str] = None, sbatch_options: Sequence[str] = ()) -> str:
     """``sbatch --parsable [options] SCRIPT ARGS`` run in ``cwd``; returns the job id."""
     cmd = ["sbatch", "--parsable"] + list(sbatch_options) + [script] + list(args)
-    here = os.getcwd()
-    try:
-        if cwd:
-            os.chdir(cwd)
-        return parse_sbatch_job_id(run_slurm(cmd, env=dict(env) if env else None))
-    finally:
-        os.chdir(here)
+    return parse_sbatch_job_id(run_slurm(cmd, env=dict(env) if env else None, cwd=cwd))
 
 
 class JobWatcher:
