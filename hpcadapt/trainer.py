@@ -162,6 +162,7 @@ class Trainer:
         self.checkpoint_path: Optional[str] = None
         self.stop_requested = False
         self.stopped: Optional[str] = None
+        self._resumed_at: Optional[int] = None  # step this run resumed at, from a checkpoint
         self._sample_file = None
         if cfg.sample_log:
             os.makedirs(cfg.sample_log, exist_ok=True)
@@ -399,6 +400,7 @@ class Trainer:
         if not verdict["found"]:
             return False
         self.sync_state()
+        self._resumed_at = self.step
         if self.world.rank == 0:
             log.info("resumed from %s at epoch %d, step %d", path, self.epoch, self.step)
         return True
@@ -410,6 +412,12 @@ class Trainer:
                 else "a stop signal on another rank")
         self.stopped = name
         if self.world.rank == 0:
+            resumed_at = self._resumed_at
+            if resumed_at is not None and self.step - resumed_at < 20:
+                log.warning("stopped again %d step(s) after resuming: the job gets its stop "
+                            "signal right after it starts. Slurm sends --signal=SIG@T up to "
+                            "60 s before T; make the time limit (--time) well longer than "
+                            "T + 60 s", self.step - resumed_at)
             if self.checkpoint_path:
                 self.save_checkpoint(self.checkpoint_path)
                 log.warning("stopped on %s at epoch %d, step %d; state saved to %s",

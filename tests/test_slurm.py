@@ -335,15 +335,16 @@ def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster
 
 @pytest.mark.slurm
 def test_time_limit_signal_requeues_until_the_training_is_done(cluster, tmp_path):
-    """The real thing: a two-minute job that needs longer. Slurm sends USR1 100 s before the
-    limit, the state is saved, the job requeued, and so on until the training finishes."""
+    """The real thing: a two-minute job that needs longer. Slurm sends USR1 60 s before the
+    limit (give or take its 30 s of slack: between 30 and 60 s into the run), the state is
+    saved, the job requeued, and so on until the training (70 s or more) is done."""
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
-    epochs = 150
+    epochs = 600
     job = submit(TRAIN_SBATCH, ["--epochs", str(epochs), "--sample-log", "samples"],
                  env=job_env(), cwd=str(tmp_path),
-                 sbatch_options=["--time=2", "--signal=USR1@100"])
-    final = JobWatcher().wait_until_gone(job, 900)
+                 sbatch_options=["--time=2", "--signal=USR1@60"])
+    final = JobWatcher().wait_until_gone(job, 1200)
     out = job_output(tmp_path, job)
     assert final.state == "COMPLETED", out[-3000:]
     restarts = int(parse_key_values(run_slurm(["scontrol", "show", "job", job]))["Restarts"])
