@@ -337,10 +337,10 @@ def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster
 def test_time_limit_signal_requeues_until_the_training_is_done(cluster, tmp_path):
     """The real thing: a two-minute job that needs longer. Slurm sends USR1 60 s before the
     limit (give or take its 30 s of slack: between 30 and 60 s into the run), the state is
-    saved, the job requeued, and so on until the training (70 s or more) is done."""
+    saved, the job requeued, and so on until the training (90 s or more) is done."""
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
-    epochs = 600
+    epochs = 1000
     job = submit(TRAIN_SBATCH, ["--epochs", str(epochs), "--sample-log", "samples"],
                  env=job_env(), cwd=str(tmp_path),
                  sbatch_options=["--time=2", "--signal=USR1@60"])
