@@ -30,9 +30,9 @@ TRAIN = str(ROOT / "slurm" / "train.sbatch")
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_JOB", "PMI_"))}
-    env.update(PYTHON=sys.executable, **{k: str(v) for k, v in extra.items()})
-    return env
+    from hpcadapt.slurm.testcluster.watch import job_environment
+
+    return job_environment(sys.executable, **extra)
 
 
 def _records(path: Path):
@@ -41,9 +41,9 @@ def _records(path: Path):
 
 
 def _hostnames(nodelist: str) -> set:
-    from hpcadapt.slurm.commands import parse_hostnames, run_slurm
+    from hpcadapt.slurm.commands import show_hostnames
 
-    return set(parse_hostnames(run_slurm(["scontrol", "show", "hostnames", nodelist])))
+    return set(show_hostnames(nodelist))
 
 
 def grow_and_release(folder: Path, mode: str) -> dict:

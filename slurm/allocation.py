@@ -9,9 +9,8 @@ from typing import Mapping, Optional, Tuple
 
 from hpcadapt.errors import AllocationError
 
-from .commands import (SQUEUE_FORMAT, SlurmCommandError, check_hostlist, check_job_id,
-                       check_partition, parse_cpus_per_node, parse_hostnames, parse_squeue,
-                       run_slurm)
+from .commands import (SQUEUE_FORMAT, SlurmCommandError, check_job_id, check_partition,
+                       parse_cpus_per_node, parse_squeue, run_slurm, show_hostnames)
 
 __all__ = ["Allocation", "in_slurm_job"]
 
@@ -46,8 +45,8 @@ class Allocation:
         job_id = check_job_id(env["SLURM_JOB_ID"])
         partition = check_partition(env.get("SLURM_JOB_PARTITION", "")) \
             if env.get("SLURM_JOB_PARTITION") else ""
-        nodelist = check_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
-        nodes = tuple(parse_hostnames(run_slurm(["scontrol", "show", "hostnames", nodelist])))
+        nodes = tuple(show_hostnames(env.get("SLURM_JOB_NODELIST") or
+                                     env.get("SLURM_NODELIST", "")))
         cpus_text = env.get("SLURM_JOB_CPUS_PER_NODE") or \
             env.get("SLURM_JOB_CPUS_PER_NODE_PACK_GROUP_0") or env.get("SLURM_CPUS_ON_NODE", "1")
         try:

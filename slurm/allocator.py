@@ -28,9 +28,9 @@ from hpcadapt.errors import AllocationError
 
 from .allocation import Allocation, time_left
 from .commands import (FINISHED_STATES, SINFO_FORMAT, SQUEUE_FORMAT, JobState,
-                       SlurmCommandError, check_hostlist, check_node_name, check_partition, parse_sbatch_job_id,
+                       SlurmCommandError, check_node_name, check_partition, parse_sbatch_job_id,
                        parse_show_config, parse_sinfo_nodes, parse_squeue,
-                       permits_job_expansion, run_slurm)
+                       permits_job_expansion, run_slurm, show_hostnames)
 from .expansion import JobExpansion
 
 __all__ = ["SlurmAllocator", "CompanionJob", "companion_script"]
@@ -168,8 +168,7 @@ class SlurmAllocator:
         used = list(self.allocation.nodes)
         for job in live:
             if job.nodes:
-                used += run_slurm(["scontrol", "show", "hostnames",
-                                   check_hostlist(job.nodes)]).split()
+                used += show_hostnames(job.nodes)
         return sorted(set(check_node_name(n) for n in used))
 
     def _check_partition(self, count: int, in_use: Sequence[str]) -> None:

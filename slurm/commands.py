@@ -18,7 +18,7 @@ from hpcadapt.errors import AllocationError
 __all__ = ["SlurmCommandError", "slurm_available", "run_slurm", "check_job_id", "check_node_name",
            "check_partition", "parse_sbatch_job_id", "parse_hostnames", "parse_key_values",
            "parse_duration", "parse_cpus_per_node", "parse_squeue", "parse_sinfo_nodes",
-           "parse_salloc_job_id", "parse_show_config", "permits_job_expansion",
+           "parse_salloc_job_id", "parse_show_config", "permits_job_expansion", "show_hostnames",
            "JobState", "NodeState", "FINISHED_STATES"]
 
 _JOB_ID = re.compile(r"^[0-9]{1,10}(_[0-9]{1,10})?$")
@@ -103,6 +103,12 @@ def parse_hostnames(stdout: str) -> List[str]:
     for name in names:
         check_node_name(name)
     return names
+
+
+def show_hostnames(nodelist: str) -> List[str]:
+    """Expand a Slurm node list (``n[1-3],m4``) with ``scontrol show hostnames``: Slurm's own
+    hostlist parser, not one of ours."""
+    return parse_hostnames(run_slurm(["scontrol", "show", "hostnames", check_hostlist(nodelist)]))
 
 
 def parse_key_values(text: str) -> Dict[str, str]:

@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from hpcadapt.errors import AllocationError
 
-from .commands import (SlurmCommandError, check_node_name, parse_hostnames,
-                       parse_salloc_job_id, run_slurm)
+from .commands import (SlurmCommandError, check_node_name, parse_salloc_job_id, run_slurm,
+                       show_hostnames)
 
 __all__ = ["ExpansionWorker", "JobExpansion"]
 
@@ -133,7 +133,7 @@ class JobExpansion:
             raise SlurmCommandError(cmd, f"exit code {code}: {text.strip() or '(no output)'}")
         try:
             listed = run_slurm(["squeue", "-h", "-j", new, "-o", "%N"]).strip()
-            nodes = parse_hostnames(run_slurm(["scontrol", "show", "hostnames", listed]))
+            nodes = show_hostnames(listed)
             run_slurm(["scontrol", "update", f"JobId={new}", "NumNodes=0"])
             run_slurm(["scontrol", "update", f"JobId={self.job_id}", "NumNodes=ALL"])
         except AllocationError:

@@ -22,7 +22,7 @@ from hpcadapt.slurm.commands import (check_hostlist, check_job_id, check_node_na
                                      parse_hostnames, parse_key_values, parse_sbatch_job_id,
                                      parse_salloc_job_id, parse_show_config,
                                      parse_sinfo_nodes, parse_squeue, permits_job_expansion,
-                                     run_slurm, SlurmCommandError)
+                                     run_slurm, show_hostnames, SlurmCommandError)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data" / "slurm"
@@ -131,9 +131,9 @@ def cluster():
 
 
 def job_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_JOB", "PMI_"))}
-    env.update(PYTHON=sys.executable, **{k: str(v) for k, v in extra.items()})
-    return env
+    from hpcadapt.slurm.testcluster.watch import job_environment
+
+    return job_environment(sys.executable, **extra)
 
 
 def job_output(folder: Path, job: str) -> str:
@@ -179,7 +179,7 @@ def test_allocation_is_read_from_the_job_environment(cluster):
 
 
 def hostnames(nodelist: str) -> set:
-    return set(parse_hostnames(run_slurm(["scontrol", "show", "hostnames", nodelist])))
+    return set(show_hostnames(nodelist))
 
 
 @pytest.mark.slurm

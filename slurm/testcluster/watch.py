@@ -3,6 +3,7 @@ benchmark assert and measure from these observations, taken as a user would (squ
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from hpcadapt.slurm.commands import (SINFO_FORMAT, SQUEUE_FORMAT, JobState, Node
                                      parse_sbatch_job_id, parse_sinfo_nodes, parse_squeue,
                                      run_slurm)
 
-__all__ = ["Observation", "JobWatcher", "submit"]
+__all__ = ["Observation", "JobWatcher", "submit", "job_environment"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,14 @@ class Observation:
 
     def named(self, prefix: str) -> List[JobState]:
         return [j for i, j in self.jobs.items() if self.names.get(i, "").startswith(prefix)]
+
+
+def job_environment(python: str, **extra: object) -> Dict[str, str]:
+    """This environment for a job script (PYTHON and ``extra`` set), without the variables of
+    a job or MPI launcher it may itself run in."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_JOB", "PMI_"))}
+    env.update(PYTHON=python, **{k: str(v) for k, v in extra.items()})
+    return env
 
 
 def submit(script: str, args: Sequence[str] = (), *, env: Optional[Mapping[str, str]] = None,
