@@ -227,7 +227,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         allocator.close()
     if summary["stopped"]:
         world_mod.shutdown()
-        return EXIT_REQUEUE
+        # Requeue only from a saved state (rank 0 saves; the others follow its word).
+        return 1 if summary["stopped"].endswith("NOT saved") else EXIT_REQUEUE
     if args.checkpoint and w.rank == 0 and not joining and os.path.exists(args.checkpoint):
         os.unlink(args.checkpoint)
         log.info("training finished; removed the preemption checkpoint %s", args.checkpoint)

@@ -411,20 +411,35 @@ class Trainer:
         name = (self.stop_signals.received if self.stop_signals and self.stop_signals.received
                 else "a stop signal on another rank")
         self.stopped = name
+        saved = np.ones(1, dtype=np.int64)
         if self.world.rank == 0:
-            resumed_at = self._resumed_at
-            if resumed_at is not None and self.step - resumed_at < 20:
-                log.warning("stopped again %d step(s) after resuming: the job gets its stop "
-                            "signal right after it starts. Slurm sends --signal=SIG@T up to "
-                            "60 s before T; make the time limit (--time) well longer than "
-                            "T + 60 s", self.step - resumed_at)
-            if self.checkpoint_path:
-                self.save_checkpoint(self.checkpoint_path)
-                log.warning("stopped on %s at epoch %d, step %d; state saved to %s",
-                            name, self.epoch, self.step, self.checkpoint_path)
-            else:
-                log.warning("stopped on %s at step %d; no --checkpoint given, state not saved",
-                            name, self.step)
+            saved[0] = self._save_for_stop(name)
+        communicator(self.world).broadcast(saved, root=0)
+        if not saved[0]:
+            self.stopped = f"{name}; state NOT saved"
+
+    def _save_for_stop(self, name: str) -> bool:
+        """Rank 0: save the state for the requeued job; False when it could not."""
+        resumed_at = self._resumed_at
+        if resumed_at is not None and self.step - resumed_at < 20:
+            log.warning("stopped again %d step(s) after resuming: the job gets its stop "
+                        "signal right after it starts. Slurm sends --signal=SIG@T up to "
+                        "60 s before T; make the time limit (--time) well longer than "
+                        "T + 60 s", self.step - resumed_at)
+        if not self.checkpoint_path:
+            log.warning("stopped on %s at step %d; no --checkpoint given, state not saved",
+                        name, self.step)
+            return False
+        try:
+            self.save_checkpoint(self.checkpoint_path)
+        except (OSError, RuntimeError) as exc:
+            log.error("stopped on %s at step %d, but the state could not be saved to %s: %s; "
+                      "the job must not be requeued from it (free space, or pass another "
+                      "--checkpoint)", name, self.step, self.checkpoint_path, exc)
+            return False
+        log.warning("stopped on %s at epoch %d, step %d; state saved to %s",
+                    name, self.epoch, self.step, self.checkpoint_path)
+        return True
 
     def replicas_identical(self) -> bool:
         """Whether every rank holds bit-identical parameters (one small allreduce)."""

@@ -109,3 +109,15 @@ def test_a_signal_during_start_up_waits_for_the_handler(tmp_path):
     assert proc.returncode == EXIT_REQUEUE, err[-3000:]
     assert _summary(out)["steps"] == 1 and ckpt.exists()
     assert "stopped on SIGUSR1 at epoch 0, step 1; state saved" in err
+
+
+def test_a_state_that_cannot_be_saved_is_not_requeued(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "hpcadapt.train", "--epochs", "2",
+                             "--no-progress", "--checkpoint", "/proc/hpcadapt-no/state.ckpt"],
+                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]  # not 75: the job script must not requeue
+    assert "but the state could not be saved to /proc/hpcadapt-no/state.ckpt" in err
+    assert _summary(out)["stopped"] == "SIGTERM; state NOT saved"
