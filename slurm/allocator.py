@@ -27,7 +27,7 @@ from hpcadapt.allocator import launcher_free_environ
 from hpcadapt.errors import AllocationError
 
 from .allocation import Allocation, time_left
-from .commands import (FINISHED_STATES, SINFO_FORMAT, SQUEUE_FORMAT, JobState,
+from .commands import (SINFO_FORMAT, SQUEUE_FORMAT, JobState,
                        SlurmCommandError, check_node_name, check_partition, parse_sbatch_job_id,
                        parse_show_config, parse_sinfo_nodes, parse_squeue,
                        permits_job_expansion, run_slurm, show_hostnames)
@@ -63,7 +63,6 @@ class CompanionJob:
         self.pending_timeout = pending_timeout
         self.state: Optional[JobState] = None
         self.error: Optional[str] = None
-        self.started_at: Optional[float] = None
 
     def failed(self) -> Optional[str]:
         return self.error
@@ -86,8 +85,6 @@ class CompanionJob:
             self.error = self.error or f"companion job {self.job_id} is no longer known to Slurm"
             return
         self.state = state
-        if state.state == "RUNNING" and self.started_at is None:
-            self.started_at = now
         if state.finished and self.error is None:
             self.error = (f"companion job {self.job_id} ended ({state.state}, reason "
                           f"{state.reason}) before its worker joined")
@@ -283,8 +280,7 @@ class SlurmAllocator:
         self._wake.set()
         with self._lock:
             for job in self.jobs:
-                if not (job.state is not None and job.state.state in FINISHED_STATES):
-                    job.stop()
+                job.stop()  # does nothing for a job that has finished
             self.jobs.clear()
         if self._thread is not None:
             self._thread.join(timeout=10)
