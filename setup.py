@@ -30,6 +30,8 @@ setup(
         "torch>=2.4,<3",
         "scikit-learn>=1.2",
         "tqdm>=4.60",
+        # MNIST-1D, generated offline by make_dataset (its pickle is never downloaded).
+        "mnist1d>=0.0.2",
     ],
     extras_require={
         # The PyPI MPICH wheel: for laptops and CI. On a cluster use the site's MPI instead.

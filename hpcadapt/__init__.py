@@ -18,6 +18,11 @@ _HOMES = {
     ".parallel": ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
                   "broadcast_object_state"],
     ".sampler": ["ElasticSampler"],
+    ".job": ["Job", "JobOptions"],
+    ".loader": ["ElasticDataLoader"],
+    ".args": ["add_arguments"],
+    ".state": ["UserState", "TrainingState"],
+    ".trainer": ["evaluate_accuracy"],
     ".errors": ["HpcAdaptError", "ConfigurationError", "CommunicationError", "MembershipError",
                 "AllocationError", "PolicyError"],
 }

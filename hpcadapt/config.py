@@ -55,3 +55,13 @@ def slurm_node_name() -> Optional[str]:
     if name and _NODE_NAME.match(name):
         return name
     return None
+
+
+JOIN_DIR_VARIABLE = "HPCADAPT_JOIN_DIR"
+
+
+def take_join_dir() -> Optional[str]:
+    """``HPCADAPT_JOIN_DIR``: set by the job for a worker it starts to join it (the folder
+    with the job's port). Removed from the environment once read, so that nothing this
+    worker starts later inherits it."""
+    return os.environ.pop(JOIN_DIR_VARIABLE, None) or None

@@ -27,6 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .allocator import Allocator, Worker
+from .config import JOIN_DIR_VARIABLE
 from .errors import AllocationError, MembershipError
 from .runtime import World
 
@@ -63,7 +64,8 @@ class ResizeOutcome:
 
 @dataclass(frozen=True)
 class JoinTicket:
-    """What a joining worker gets on its command line: where the port and ready files are."""
+    """Where a joining worker finds the port and writes its ready file. The folder reaches
+    the worker through its environment (``HPCADAPT_JOIN_DIR``); the id it claims there."""
 
     directory: str
     worker_id: int
@@ -73,6 +75,24 @@ class JoinTicket:
 
     def ready_file(self) -> str:
         return os.path.join(self.directory, f"ready-{self.worker_id}")
+
+    @classmethod
+    def claim(cls, directory: str, limit: int = 4096) -> "JoinTicket":
+        """The first worker id in ``directory`` no other joiner has claimed (an exclusive
+        create: two joiners never get the same id)."""
+        for i in range(limit):
+            try:
+                fd = os.open(os.path.join(directory, f"claim-{i}"),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                continue
+            except FileNotFoundError:
+                raise MembershipError(f"the join folder {directory} is gone: the job this "
+                                      f"worker was started for has ended or given up the "
+                                      f"grow") from None
+            os.close(fd)
+            return cls(directory, i)
+        raise MembershipError(f"no free worker id in {directory}")
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -155,8 +175,8 @@ def split_leavers(comm: MPI.Intracomm, leavers: Sequence[int]) -> Optional[MPI.I
 class ElasticController:
     """Carries out resize requests for a trainer at step boundaries.
 
-    ``joiner_argv`` is what a joining worker runs (``python ARGV``); the controller appends
-    ``--join-dir DIR --join-id I``. ``on_joined(old_size, new_size)`` runs on every rank of
+    ``joiner_argv`` is what a joining worker runs (``python ARGV``: the job's own script and
+    arguments); the join folder reaches it as ``HPCADAPT_JOIN_DIR`` in its environment. ``on_joined(old_size, new_size)`` runs on every rank of
     the new world right after the join (state sync); ``on_left`` on every remaining rank.
     ``join_root`` holds the folders joiners find the port in: it must be visible from every
     node a joiner may start on (Slurm: the job's working folder, not /tmp)."""
@@ -209,9 +229,8 @@ class ElasticController:
             _write_atomic(os.path.join(directory, "port"), port)
             count = target - self.world.size
             try:
-                workers = self.allocator.launch(
-                    [self.joiner_argv + ["--join-dir", directory, "--join-id", str(i)]
-                     for i in range(count)], {})
+                workers = self.allocator.launch([list(self.joiner_argv)] * count,
+                                                {JOIN_DIR_VARIABLE: directory})
                 log.info("grow %d -> %d: started %d joining workers (%s)", self.world.size,
                          target, count, reason)
                 now = time.perf_counter()

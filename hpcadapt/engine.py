@@ -1,5 +1,6 @@
-"""The policy engine: policies decide on rank 0, the decision is broadcast, and every rank
-applies it at the same step boundary.
+"""The policy engine: a pure function from a metrics snapshot to a plan. It runs on rank 0
+only and calls no collectives; the job broadcasts the plan and every rank applies it at the
+same step boundary.
 
 How decisions combine: policies run in the order given on the command line. Each sees the
 snapshot with the changes of the policies before it already applied, and a later policy's
@@ -12,19 +13,13 @@ are NaN or infinite skips the step."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
-
-import numpy as np
+from typing import Any, Dict, List, Optional, Sequence
 
 from .errors import ConfigurationError, PolicyError
-from .metrics import DecisionRecord
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .trainer import Trainer
+from .plan import Plan
 
 from hpcadapt.policies.base import Decision, MetricsSnapshot, Policy
 from hpcadapt.policies.lr_rules import LRRule
@@ -131,58 +126,46 @@ class PolicyEngine:
         log.log(level, "policy %s skips step %d: %s not finite (%s)", policy.name, snap.step,
                 ", ".join(bad), ", ".join(f"{n}={getattr(snap, n)}" for n in bad))
 
-    def plan(self, decisions: List[Decision], snap: MetricsSnapshot) -> Dict[str, Any]:
-        """The changes every rank applies, as plain JSON-able values."""
+    def plan(self, decisions: List[Decision], snap: MetricsSnapshot, version: int) -> Plan:
+        """The typed plan every rank applies for these decisions."""
         changes: Dict[str, Any] = {}
         explicit_lr = None
         rule_lr = None
+        reason = ""
         for d in decisions:
-            for k, v in d.changes().items():
-                changes[k] = v
+            changes.update(d.changes())
             if d.lr is not None:
                 if d.policy.startswith("lr-rule"):
                     rule_lr = d.lr
                 else:
                     explicit_lr = d.lr
-        for d in decisions:
             if d.world_size is not None:
-                changes["reason"] = f"{d.policy}: {d.reason}"
+                reason = f"{d.policy}: {d.reason}"
+        fields: Dict[str, Any] = {}
         if explicit_lr is not None:
-            changes["lr"] = explicit_lr
-            changes["base"] = [explicit_lr, changes.get("batch_size", snap.batch_size)]
-            changes["ramp"] = None
+            fields.update(lr=float(explicit_lr), base_lr=float(explicit_lr),
+                          base_batch_size=int(changes.get("batch_size", snap.batch_size)))
         elif rule_lr is not None:
             steps = self.lr_rule.ramp_steps if "batch_size" in changes else 0
-            changes.pop("lr", None)
-            changes["ramp"] = [snap.step, steps, snap.lr, rule_lr]
-        return changes
+            fields["ramp"] = (snap.step, int(steps), float(snap.lr), float(rule_lr))
+        if "batch_size" in changes:
+            fields["batch_size"] = int(changes["batch_size"])
+        if "momentum" in changes:
+            fields["momentum"] = float(changes["momentum"])
+        if "world_size" in changes:
+            fields["world_size"] = int(changes["world_size"])
+            if changes.get("remove_rank") is not None:
+                fields["remove_rank"] = int(changes["remove_rank"])
+        records = [{"policy": d.policy, "changes": d.changes(), "reason": d.reason,
+                    "metrics": d.metrics} for d in decisions]
+        return Plan(version=version, step=snap.step, reason=reason, decisions=records,
+                    **fields)
 
-    # -- running a hook on every rank ------------------------------------------------------
-    def run(self, hook: str, trainer: "Trainer", **extra: Any) -> Dict[str, Any]:
-        """Decide on rank 0, broadcast, apply everywhere; returns the applied changes."""
-        w = trainer.world
-        decisions: List[Decision] = []
-        snap = None
-        if w.rank == 0:
-            snap = trainer.snapshot()
-            decisions = self.decide(hook, snap, **extra)
-            changes = self.plan(decisions, snap) if decisions else {}
-        else:
-            changes = {}
-        changes = _broadcast_json(changes, w.comm)
-        if changes:
-            trainer.apply_changes(changes)
-        if w.rank == 0 and decisions:
-            for d in decisions:
-                trainer.sink.write(DecisionRecord(
-                    step=snap.step, epoch=snap.epoch, policy=d.policy, changes=d.changes(),
-                    reason=d.reason, metrics=d.metrics, world_size=w.size,
-                    batch_size=trainer.batch_size, lr=trainer.lr))
-                log.info("decision at step %d by %s: %s (%s)", snap.step, d.policy,
-                         d.changes(), d.reason)
-                for p in self.policies:
-                    p.on_decision(d, snap)
-        return changes
+    def told(self, decisions: List[Decision], snap: MetricsSnapshot) -> None:
+        """Rank 0, after a plan was applied: tell every policy (cooldowns and the like)."""
+        for d in decisions:
+            for p in self.policies:
+                p.on_decision(d, snap)
 
     def state_dict(self) -> Dict[str, Any]:
         return {p.name: p.state_dict() for p in self.policies}
@@ -191,20 +174,3 @@ class PolicyEngine:
         for p in self.policies:
             if p.name in state:
                 p.load_state_dict(state[p.name])
-
-
-def _broadcast_json(obj: Dict[str, Any], comm) -> Dict[str, Any]:
-    """Broadcast a small JSON document from rank 0: a length, then the bytes if any.
-
-    JSON, not pickle: nothing but plain values can come out of it."""
-    if comm.Get_size() == 1:
-        return obj
-    payload = json.dumps(obj).encode() if (comm.Get_rank() == 0 and obj) else b""
-    n = np.array([len(payload)], dtype=np.int64)
-    comm.Bcast(n, root=0)
-    if n[0] == 0:
-        return {}
-    buf = np.frombuffer(payload, dtype=np.uint8).copy() if comm.Get_rank() == 0 \
-        else np.empty(int(n[0]), dtype=np.uint8)
-    comm.Bcast(buf, root=0)
-    return json.loads(buf.tobytes().decode())

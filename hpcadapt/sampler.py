@@ -60,13 +60,17 @@ class ElasticSampler:
 
     def peek(self, global_batch: int, rank: int, size: int) -> StepSlice:
         """This rank's part of the next global batch (does not move the cursor)."""
+        return self.slice_at(self.cursor, global_batch, rank, size)
+
+    def slice_at(self, cursor: int, global_batch: int, rank: int, size: int) -> StepSlice:
+        """This rank's part of the global batch that starts at ``cursor``."""
         if global_batch <= 0:
             raise ConfigurationError(f"global batch must be positive, got {global_batch}")
         if not 0 <= rank < size:
             raise ConfigurationError(f"rank {rank} is outside a world of size {size}")
-        count = min(global_batch, self.remaining)
+        count = min(global_batch, self.num_samples - cursor)
         base, extra = divmod(count, size)
-        start = self.cursor + rank * base + min(rank, extra)
+        start = cursor + rank * base + min(rank, extra)
         n = base + (1 if rank < extra else 0)
         indices = self._perm[start:start + n]
         return StepSlice(indices, count, (n / count) if count else 0.0)

@@ -195,7 +195,7 @@ class SlurmAllocator:
                     self.allocation.job_id, self.allocation.nodes, env=submit_env,
                     mpi=self.mpi, pending_timeout=self.pending_timeout,
                     extra_sbatch=self._request_options)
-            return self._expansion.launch(argvs)
+            return self._expansion.launch(argvs, submit_env)
         base = ["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--exclusive",
                 f"--job-name=hpcadapt-join-{self.allocation.job_id}",
                 f"--output={self.output}", f"--exclude={','.join(in_use)}"]

@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 class ExpansionWorker:
     """A joining worker started as a step of the job on a node the job gained."""
 
-    def __init__(self, expansion: "JobExpansion", argv: Sequence[str]):
+    def __init__(self, expansion: "JobExpansion", argv: Sequence[str], env: Dict[str, str]):
         self.expansion = expansion
         self.argv = list(argv)
+        self.env = env
         self.node: Optional[str] = None
         self.proc: Optional[subprocess.Popen] = None
         self.error: Optional[str] = None
@@ -77,8 +78,11 @@ class JobExpansion:
             return self.base_nodes + self.added
 
     # -- grow ---------------------------------------------------------------------------
-    def launch(self, argvs: Sequence[Sequence[str]]) -> List[ExpansionWorker]:
-        workers = [ExpansionWorker(self, argv) for argv in argvs]
+    def launch(self, argvs: Sequence[Sequence[str]],
+               env: Optional[Dict[str, str]] = None) -> List[ExpansionWorker]:
+        """Start the workers (``env``: their environment, by default the expansion's)."""
+        workers = [ExpansionWorker(self, argv, env if env is not None else self.env)
+                   for argv in argvs]
         with self._lock:
             self.workers += workers
         threading.Thread(target=self._grow, args=(workers,), name="hpcadapt-expand",
@@ -98,7 +102,7 @@ class JobExpansion:
                    "--ntasks=1", f"--mpi={self.mpi}", sys.executable] + w.argv
             try:
                 with open(f"hpcadapt-join-{self.job_id}-{node}.out", "ab") as out:
-                    w.proc = subprocess.Popen(cmd, env=self.env, stdin=subprocess.DEVNULL,
+                    w.proc = subprocess.Popen(cmd, env=w.env, stdin=subprocess.DEVNULL,
                                               stdout=out, stderr=subprocess.STDOUT)
             except OSError as exc:
                 w.error = f"could not run srun on {node}: {exc}"

@@ -1,6 +1,7 @@
 """Grow/shrink cycles with the elastic machinery itself (no model), for the leak test and
 the crashing-joiner test. Run as ``mpiexec -n 1 python tests/elastic_cycles.py``; it starts
-its joiners through the local allocator, and a joiner runs this same file with --join-dir."""
+its joiners through the local allocator, and a joiner runs this same file with
+HPCADAPT_JOIN_DIR in its environment."""
 
 import argparse
 import json
@@ -11,6 +12,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hpcadapt import config
 from hpcadapt.allocator import LocalAllocator
 from hpcadapt.elastic import (ABANDON, JOIN, ElasticController, JoinTicket, join_running_job,
                               split_leavers)
@@ -38,11 +40,11 @@ def rss_kb():
     return 0
 
 
-def joiner(args):
+def joiner(args, join_dir):
     if args.crash:
         sys.exit(3)  # dies during start-up, before it is ready
     world = World(MPI.COMM_WORLD.Dup())
-    world.replace(join_running_job(JoinTicket(args.join_dir, args.join_id)))
+    world.replace(join_running_job(JoinTicket.claim(join_dir)))
     x = np.array([1], dtype=np.int64)
     world.comm.Allreduce(MPI.IN_PLACE, x)  # the grown world works
     new = split_leavers(world.comm, [world.rank])  # leave at once
@@ -65,11 +67,10 @@ def main():
     ap.add_argument("--cycles", type=int, default=50)
     ap.add_argument("--crash", action="store_true")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--join-dir")
-    ap.add_argument("--join-id", type=int, default=0)
     args = ap.parse_args()
-    if args.join_dir:
-        return joiner(args)
+    join_dir = config.take_join_dir()
+    if join_dir:
+        return joiner(args, join_dir)
     world = World(MPI.COMM_WORLD.Dup())
     alloc = LocalAllocator(2)
     argv = [os.path.abspath(__file__)] + (["--crash"] if args.crash else [])

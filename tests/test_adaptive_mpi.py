@@ -8,10 +8,8 @@ import pytest
 import torch
 
 import hpcadapt
-from hpcadapt.engine import PolicyEngine
 from hpcadapt.monitor import GradientNoiseScale, estimate_from_replicas
 from hpcadapt.policies import GNSBatchSize, LRRule, Schedule
-from hpcadapt.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -47,31 +45,39 @@ def test_bucket_statistics_give_the_closed_form_noise_scale(w):
 
 
 def test_decisions_identical_on_every_rank(w, tmp_path_factory):
+    from torch.utils.data import TensorDataset
+
+    from hpcadapt.datasets import load_dataset
+    from hpcadapt.models import build_model
+
     metrics = None
     if w.rank == 0:
         metrics = str(tmp_path_factory.mktemp("m") / "m.jsonl")
-    cfg = TrainConfig(model="mlp", dataset="digits", epochs=3, batch_size=16, lr=0.02,
-                      progress=False, metrics_file=metrics)
-    engine = PolicyEngine([GNSBatchSize(min=16, max=256, cooldown=10, interval=5, warmup=10),
-                           Schedule(unit="epoch", lr=[(2, 0.01)])], LRRule("linear", 4))
-    trainer = Trainer(cfg, w, engine=engine)
+    job = hpcadapt.Job(policies=[GNSBatchSize(min=16, max=256, cooldown=10, interval=5, warmup=10),
+                                 Schedule(unit="epoch", lr=[(2, 0.01)])],
+                       lr_rule="linear", lr_ramp_steps=4, metrics_file=metrics)
+    data = load_dataset("digits")
+    model = build_model("mlp", data.input_shape, data.num_classes, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    loader = hpcadapt.ElasticDataLoader(TensorDataset(data.x_train, data.y_train), batch_size=16)
+    job.setup(model, opt, loader)
     trace = []
-    orig = trainer.train_step
-
-    def traced():
-        n = orig()
-        trace.append((trainer.step, trainer.batch_size, round(trainer.lr, 12), n))
-        return n
-    trainer.train_step = traced
-    trainer.run()
-    digest = int.from_bytes(hashlib.blake2b(repr(trace).encode(), digest_size=7).digest(), "little")
+    for _ in job.epochs(3):
+        for x, y in loader:
+            job.step(torch.nn.functional.cross_entropy(model(x), y))
+            trace.append((job.state.step, job.state.hyper.batch_size,
+                          round(opt.param_groups[0]["lr"], 12), len(x)))
+    digest = int.from_bytes(hashlib.blake2b(repr([t[:3] for t in trace]).encode(),
+                                            digest_size=7).digest(), "little")
     all_digests = hpcadapt.allgather(np.array([digest], dtype=np.int64)).reshape(-1)
     assert len(set(all_digests.tolist())) == 1, "ranks applied different configurations"
     assert len({bs for _, bs, _, _ in trace}) > 1, "the policy never changed the batch"
+    assert job.replicas_identical()
     if w.rank == 0:
+        job.sink.close()
         rows = [json.loads(line) for line in open(metrics)]
         decisions = [r for r in rows if r["event"] == "decision"]
         assert any(r["policy"] == "gns-batch" and "noise_scale" in r["metrics"] for r in decisions)
         assert any(r["policy"] == "schedule" for r in decisions)
         assert any(r["policy"] == "lr-rule:linear" for r in decisions)
-    trainer.optimizer.remove_hooks()
+    job.optimizer.remove_hooks()

@@ -3,6 +3,7 @@
 import pytest
 
 from hpcadapt import ConfigurationError
+from hpcadapt.plan import Plan
 from hpcadapt.engine import PolicyEngine
 from hpcadapt.policies import (Decision, GNSBatchSize, LRRule, MetricsSnapshot, Policy, Ramp,
                                Schedule)
@@ -120,15 +121,17 @@ class Reader(Policy):
 def test_later_policy_wins_and_rule_follows_batch_change():
     eng = PolicyEngine([Fixed(batch_size=64), Fixed(batch_size=128)], LRRule("linear", 4))
     decisions = eng.decide("after_step", snap())
-    plan = eng.plan(decisions, snap())
-    assert plan["batch_size"] == 128
-    assert plan["ramp"] == [100, 4, 0.1, pytest.approx(0.4)]
+    plan = eng.plan(decisions, snap(), version=3)
+    assert plan.batch_size == 128 and plan.version == 3 and plan.step == 100
+    assert plan.ramp == (100, 4, 0.1, pytest.approx(0.4))
+    assert Plan.from_json(plan.to_json()) == plan
 
 
 def test_explicit_lr_beats_the_rule_and_becomes_base():
     eng = PolicyEngine([Fixed(batch_size=64, lr=0.05)], LRRule("linear", 4))
-    plan = eng.plan(eng.decide("after_step", snap()), snap())
-    assert plan["lr"] == 0.05 and plan["base"] == [0.05, 64] and plan["ramp"] is None
+    plan = eng.plan(eng.decide("after_step", snap()), snap(), version=0)
+    assert plan.lr == 0.05 and (plan.base_lr, plan.base_batch_size) == (0.05, 64)
+    assert plan.ramp is None
 
 
 def test_raising_policy_is_discarded_others_still_run(caplog):
@@ -269,10 +272,19 @@ def test_straggler_streak_resets_and_rank_0_stays(caplog):
 def test_keep_local_batch_across_resize_triggers_the_lr_rule():
     eng = PolicyEngine([], LRRule("linear", 0), resize_batch="keep-local")
     s = snap(batch_size=32, world_size=4)
-    plan = eng.plan(eng.decide("on_resize", s, old_size=2, new_size=4), s)
-    assert plan["batch_size"] == 64 and plan["ramp"][3] == pytest.approx(0.2)
+    plan = eng.plan(eng.decide("on_resize", s, old_size=2, new_size=4), s, version=1)
+    assert plan.batch_size == 64 and plan.ramp[3] == pytest.approx(0.2)
 
 
 def test_remove_rank_must_name_a_non_zero_rank():
     with pytest.raises(ConfigurationError, match="remove_rank"):
         Decision(reason="x", world_size=2, remove_rank=0).validate()
+
+
+def test_a_plan_that_cannot_be_applied_is_refused_whole():
+    with pytest.raises(ConfigurationError, match="batch_size must be a positive integer"):
+        Plan.from_json(Plan(version=0, step=1, batch_size=0, lr=0.1).to_json())
+    with pytest.raises(ConfigurationError, match="lr must be positive and finite"):
+        Plan(version=0, step=1, lr=float("nan")).validate()
+    with pytest.raises(ConfigurationError, match="JSON object"):
+        Plan.from_json("[1, 2]")

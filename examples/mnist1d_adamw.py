@@ -1,0 +1,88 @@
+"""Your own model, Dataset, optimizer, loss and state, trained adaptively by hpcadapt.
+
+    mpiexec -n 2 python examples/mnist1d_adamw.py --epochs 10 \
+        --policy gns-batch --gns-batch-max 512 --lr-rule sqrt --metrics-file run.jsonl
+
+Every flag of `hpcadapt.add_arguments` works here as on `python -m hpcadapt.train`: policies,
+monitors, --max-workers (growing and shrinking: see elastic.sh), --checkpoint (preemption).
+"""
+
+import argparse
+import copy
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import hpcadapt
+from hpcadapt.datasets import load_dataset
+
+
+class MNIST1D(Dataset):
+    """One (signal, label) pair per index, as a user's own Dataset would give it."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
+def collate(samples):
+    xs, ys = zip(*samples)
+    return torch.stack(xs), torch.tensor(ys)
+
+
+class ConvNet(nn.Module):
+    """A small 1-D CNN (the shape of Greydanus' MNIST-1D baseline)."""
+
+    def __init__(self, width=32, classes=10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv1d(1, width, 5, padding=2), nn.ReLU(),
+            nn.Conv1d(width, width, 3, padding=1, stride=2), nn.ReLU(),
+            nn.Conv1d(width, width, 3, padding=1, stride=2), nn.ReLU())
+        self.head = nn.Linear(width * 10, classes)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--samples", type=int, default=5000, help="MNIST-1D samples in all")
+    parser.add_argument("--workers", type=int, default=2, help="loader worker processes")
+    hpcadapt.add_arguments(parser)             # --policy, --max-workers, --checkpoint, ...
+    args = parser.parse_args()
+
+    job = hpcadapt.Job(args)
+    torch.manual_seed(0)
+    data = load_dataset("mnist1d", seed=0, num_samples=args.samples)
+    model = ConvNet()
+    ema = copy.deepcopy(model)                 # EMA weights: extra state of our own
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-2)
+    loader = hpcadapt.ElasticDataLoader(MNIST1D(data.x_train, data.y_train), args.batch_size,
+                                        num_workers=args.workers, collate_fn=collate)
+    job.setup(model, optimizer, loader, extra={"ema": ema, "updates": 0})
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=0.05)
+
+    for epoch in job.epochs(args.epochs):
+        for x, y in loader:                    # this rank's share of the global batch
+            job.step(loss_fn(model(x), y))     # backward, allreduce, AdamW step
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters()):
+                    e.lerp_(p, 0.05)
+            job.extra["updates"] += 1
+        job.log_epoch(test_accuracy=hpcadapt.evaluate_accuracy(model, data.x_test, data.y_test),
+                      ema_accuracy=hpcadapt.evaluate_accuracy(ema, data.x_test, data.y_test))
+    job.finish()                               # prints the summary; exit 75 after a stop signal
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Command-line flags of the adaptive runtime, for any parser: ``add_arguments(parser)`` puts
+the policies, monitors, elastic, preemption and output flags on the user's own
+``argparse`` parser, so ``--policy gns-batch --gns-batch-max 512`` works on their script
+exactly as on ``python -m hpcadapt.train``. The training flags (model, data, epochs, batch
+size, learning rate) stay the script's own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import List
+
+from hpcadapt.policies import POLICIES, add_policy_arguments, argparse_type, params
+from hpcadapt.policies.lr_rules import RULE_PARAMS
+
+from .allocator import LAUNCHERS
+from .engine import RESIZE_BATCH
+from .monitor import MONITORS
+from .preemption import EXIT_REQUEUE, parse_signal
+
+__all__ = ["add_arguments", "warn_unused_policy_flags", "ALLOCATORS", "RESIZE_BATCH",
+           "positive_int", "positive_float"]
+
+log = logging.getLogger(__name__)
+
+ALLOCATORS = ["auto", "local", "slurm"]
+
+positive_int = argparse_type(params.positive_int)
+positive_float = argparse_type(params.positive_float)
+_fraction_open = argparse_type(params.fraction_open)
+
+
+def _signal_list(text: str) -> List[str]:
+    names = []
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        try:
+            sig = parse_signal(part)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if sig.name in ("SIGKILL", "SIGSTOP", "SIGCHLD", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL"):
+            raise argparse.ArgumentTypeError(
+                f"{sig.name} cannot be a stop signal (it cannot be caught, or the process "
+                f"needs it); use USR1, USR2, TERM or INT")
+        names.append(sig.name)
+    if not names:
+        raise argparse.ArgumentTypeError(f"no signal in {text!r}; use e.g. USR1,TERM")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add hpcadapt's runtime flags to ``parser`` (returned, for chaining). Pass the parsed
+    namespace to ``hpcadapt.Job(args)``."""
+    add_policy_arguments(parser)
+    m = parser.add_argument_group("monitoring (computed inside each step)")
+    m.add_argument("--monitor", action="append", default=[], choices=list(MONITORS),
+                   help="gradient monitor to run (repeatable): gns (noise scale), variance "
+                        "(and signal-to-noise ratio); policies switch on what they need")
+    m.add_argument("--monitor-interval", type=positive_int, default=1,
+                   help="compute gradient statistics every N steps")
+    m.add_argument("--monitor-ema", type=_fraction_open, default=0.1,
+                   help="weight of the newest estimate in the moving averages")
+    s = parser.add_argument_group("steps and memory")
+    s.add_argument("--max-steps", type=positive_int, default=None,
+                   help="stop after this many steps in total")
+    s.add_argument("--max-local-batch", type=positive_int, default=None,
+                   help="most samples one rank puts through forward/backward at once; a "
+                        "larger local batch is split into micro-batches whose gradients "
+                        "accumulate (so adaptive batch sizes are not capped by memory)")
+    s.add_argument("--bucket-bytes", type=positive_int, default=None,
+                   help="gradient fusion bucket size (default: HPCADAPT_BUCKET_BYTES or 4 MiB)")
+    e = parser.add_argument_group("elastic workers")
+    e.add_argument("--max-workers", type=positive_int, default=None,
+                   help="allow resizing up to this many workers (local allocator: slots on "
+                        "this host; Slurm: one node per added worker); without it the world "
+                        "keeps its size")
+    e.add_argument("--min-workers", type=positive_int, default=1,
+                   help="never shrink below this many workers")
+    e.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                   help="where added workers come from: slurm (companion allocations), "
+                        "local (this host), auto (slurm inside a Slurm job, else local)")
+    e.add_argument("--launcher", choices=list(LAUNCHERS), default="process",
+                   help="how the local allocator starts a joining worker: process (its own "
+                        "mpiexec; a crash cannot hurt the job) or spawn (MPI_Comm_spawn; under "
+                        "MPICH run mpiexec with -disable-auto-cleanup)")
+    e.add_argument("--join-timeout", type=positive_float, default=120.0,
+                   help="seconds a grow may wait for its workers before it is abandoned")
+    e.add_argument("--slurm-partition", default=None,
+                   help="partition for added nodes (default: the job's own)")
+    e.add_argument("--slurm-pending-timeout", type=positive_float, default=60.0,
+                   help="cancel a node request still pending after this many seconds")
+    e.add_argument("--slurm-mpi", choices=["pmi2", "pmix", "none"], default="pmi2",
+                   help="srun --mpi plugin for added workers (pmi2 for MPICH)")
+    e.add_argument("--slurm-grow", choices=["companion", "expand", "auto"], default="companion",
+                   help="how the job gets nodes: companion jobs (any Slurm), job expansion "
+                        "(needs SchedulerParameters=permit_job_expansion), or auto (expansion "
+                        "where the site permits it)")
+    e.add_argument("--resize-batch", choices=list(RESIZE_BATCH), default="keep-global",
+                   help="on a resize keep the global batch (the local batch changes) or the "
+                        "local batch (the global batch changes, with --lr-rule)")
+    c = parser.add_argument_group("preemption and requeue")
+    c.add_argument("--checkpoint", default=None, metavar="PATH",
+                   help="on a stop signal save the training state here and exit with code "
+                        f"{EXIT_REQUEUE}; when PATH exists at start, resume from it")
+    c.add_argument("--stop-signals", type=_signal_list, default=["SIGUSR1", "SIGTERM"],
+                   help="signals that stop training at the next step boundary (with "
+                        "--checkpoint); Slurm: #SBATCH --signal=USR1@120")
+    c.add_argument("--stop-file", default=None, metavar="PATH",
+                   help="end training cleanly (exit 0, as if finished) at the step boundary "
+                        "after PATH appears")
+    o = parser.add_argument_group("output")
+    o.add_argument("--metrics-file", default=None, help="write JSON Lines metrics here (rank 0)")
+    o.add_argument("--summary-json", default=None,
+                   help="write the run's summary (final accuracy, steps) here (rank 0)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--check-replicas", action="store_true",
+                   help="after every resize, compare a digest of the parameters across ranks "
+                        "and record it in the resize line (costs one pass over the model)")
+    o.add_argument("--sample-log", default=None, metavar="DIR",
+                   help="each process appends the sample indices it trains on to DIR (tests)")
+    return parser
+
+
+def warn_unused_policy_flags(args: argparse.Namespace) -> List[str]:
+    """The flags of policies that were not chosen but were given a value other than their
+    default (they would be silently ignored); returns one message per policy."""
+    chosen = set(getattr(args, "policy", []) or [])
+    messages = []
+    for name in sorted(POLICIES):
+        if name in chosen:
+            continue
+        given = [f"--{name}-{p.name}" for p in POLICIES[name].params
+                 if getattr(args, f"{name}_{p.name}".replace("-", "_"), p.default) != p.default]
+        if given:
+            messages.append(f"{', '.join(given)} given without --policy {name}: ignored "
+                            f"(add --policy {name} to use it)")
+    rule = getattr(args, "lr_rule", "none")
+    if rule == "none":
+        for p in RULE_PARAMS:
+            if p.name != "lr-rule" and getattr(args, p.name.replace("-", "_"), p.default) != p.default:
+                messages.append(f"--{p.name} given with --lr-rule none: ignored")
+    return messages

@@ -1,0 +1,1085 @@
+"""The public API for a user's own training loop: ``Job``.
+
+    job = hpcadapt.Job(args)                       # flags from hpcadapt.add_arguments(parser)
+    loader = hpcadapt.ElasticDataLoader(train_set, batch_size=64, num_workers=2)
+    job.setup(model, optimizer, loader, extra={"ema": ema})
+    for epoch in job.epochs(10):
+        for x, y in loader:
+            job.step(loss_fn(model(x), y))         # backward, allreduce, optimizer step
+        job.log_epoch(test_accuracy=evaluate(model))
+    job.finish()
+
+The job owns the step boundary: between two steps it writes the metrics, runs the policies
+(rank 0 decides, every rank applies the same typed plan), completes or starts resizes, and
+stops on a signal or a stop file. The training state (model, optimizer, data cursor,
+hyper-parameters, policy, monitor and RNG state, the user's state) lives in
+``hpcadapt.state.TrainingState``; the policy engine is a pure function of a snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import config
+from . import runtime as world_mod
+from .collectives import ReduceOp, communicator
+from .engine import PolicyEngine
+from .errors import ConfigurationError, HpcAdaptError
+from .loader import ElasticDataLoader, WalkKey, split_micro
+from .metrics import DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord
+from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
+                      estimate_from_replicas)
+from .parallel import DistributedOptimizer
+from .plan import Plan
+from .preemption import EXIT_REQUEUE, StopSignals, parse_signal, unblock_stop_signals
+from .state import HyperParams, TrainingState, UserState
+
+__all__ = ["Job", "JobOptions", "StepTimes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobOptions:
+    """The runtime's settings; ``JobOptions.from_args`` reads them from the flags that
+    ``hpcadapt.add_arguments`` adds. Policies come as objects (``policies``)."""
+
+    policies: List[Any] = field(default_factory=list)
+    lr_rule: str = "none"
+    lr_ramp_steps: int = 8
+    resize_batch: str = "keep-global"
+    monitors: List[str] = field(default_factory=list)
+    monitor_interval: int = 1
+    monitor_ema: float = 0.1
+    max_steps: Optional[int] = None
+    max_local_batch: Optional[int] = None
+    bucket_bytes: Optional[int] = None
+    max_workers: Optional[int] = None
+    min_workers: int = 1
+    allocator: str = "auto"
+    launcher: str = "process"
+    join_timeout: float = 120.0
+    slurm_partition: Optional[str] = None
+    slurm_pending_timeout: float = 60.0
+    slurm_mpi: str = "pmi2"
+    slurm_grow: str = "companion"
+    checkpoint: Optional[str] = None
+    stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    stop_file: Optional[str] = None
+    metrics_file: Optional[str] = None
+    summary_json: Optional[str] = None
+    progress: bool = False
+    check_replicas: bool = False
+    sample_log: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> "JobOptions":
+        """ConfigurationError when a policy's settings are unusable (it names the policy)."""
+        from hpcadapt.policies import build_policies
+
+        from .args import warn_unused_policy_flags
+
+        for message in warn_unused_policy_flags(args):
+            log.warning("%s", message)
+        values = {f: getattr(args, f) for f in cls.__dataclass_fields__
+                  if f not in ("policies", "monitors", "progress") and hasattr(args, f)}
+        values["policies"] = build_policies(args) if getattr(args, "policy", None) else []
+        values["monitors"] = list(getattr(args, "monitor", []) or [])
+        values["progress"] = not getattr(args, "no_progress", True)
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Per-rank timings of the previous step, gathered through the control slots."""
+
+    step_time: np.ndarray      # seconds, one entry per rank
+    compute_time: np.ndarray   # forward + backward (with communication launched inside)
+    wait_time: np.ndarray      # waiting for the gradient allreduce to finish
+    samples: np.ndarray        # samples each rank trained on in this step
+
+
+class _CommView:
+    """The little of a World that the broadcast helpers use, for a sub-communicator."""
+
+    def __init__(self, comm, version: int):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.version = version
+
+
+def joiner_argv() -> List[str]:
+    """How this process was started (``-m module`` or a script, with its arguments): a
+    joining worker runs the same, so it builds the same model and data."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        name = spec.name[:-len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return ["-m", name] + sys.argv[1:]
+    if not sys.argv or sys.argv[0] in ("", "-c", "-"):
+        raise ConfigurationError("a job that may grow must run from a script or a module "
+                                 "(python script.py or python -m module), not python -c or "
+                                 "stdin: joining workers re-run it")
+    return [os.path.abspath(sys.argv[0])] + sys.argv[1:]
+
+
+def _install_abort_on_exception() -> None:
+    """An uncaught exception on any rank ends the whole job at once, with that rank's
+    traceback, instead of leaving the other ranks waiting in a collective forever."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if issubclass(kind, (KeyboardInterrupt, SystemExit)):
+            return previous(kind, value, tb)
+        rank, size = "?", 1
+        comm = None
+        if world_mod.is_initialized():
+            w = world_mod.world()
+            rank, size = w.rank, w.size
+            comm = w._comm
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+        sys.stderr.write(f"[rank {rank}] hpcadapt: uncaught exception on rank {rank}; "
+                         f"aborting all {size} ranks\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        from mpi4py import MPI
+
+        try:
+            (comm if comm is not None else MPI.COMM_WORLD).Abort(1)
+        finally:
+            os._exit(1)
+
+    sys.excepthook = hook
+
+
+class Job:
+    """One data-parallel, adaptive training job on the ranks of this MPI launch.
+
+    ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
+    or keyword options of ``JobOptions`` (``policies=[GNSBatchSize(...)]``, ...). Creating
+    the job joins the MPI world, sets up rank-prefixed logging, the stop-signal handlers
+    (with a checkpoint) and the abort-on-exception hook. A worker started to join a running
+    job (``HPCADAPT_JOIN_DIR`` set) joins it in ``setup``."""
+
+    def __init__(self, args: Optional[argparse.Namespace] = None, **options: Any):
+        from .logs import setup_logging
+
+        self.options = JobOptions.from_args(args, **options) if args is not None \
+            else JobOptions(**options)
+        o = self.options
+        self._join_dir = config.take_join_dir()
+        self.joining = self._join_dir is not None
+        self.stop_signals: Optional[StopSignals] = None
+        if o.checkpoint:
+            self.stop_signals = StopSignals([parse_signal(s) for s in o.stop_signals]).install()
+        else:
+            unblock_stop_signals()
+        self.world = world_mod.init()
+        setup_logging(lambda: self.world.rank)
+        _install_abort_on_exception()
+        from hpcadapt.policies.lr_rules import LRRule
+
+        self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
+                                   resize_batch=o.resize_batch)
+        self.elastic = None
+        self.allocator = None
+        if o.max_workers is not None:
+            self._setup_elastic()
+        self.sink = MetricsSink(o.metrics_file if not self.joining else None,
+                                enabled=self.world.rank == 0)
+        self.state: Optional[TrainingState] = None
+        self.extra = UserState()
+        self.left = False
+        self.stopped: Optional[str] = None
+        self.finished_by_stop_file = False
+        self.resizes: List[Dict[str, Any]] = []
+        self.last_loss = float("nan")
+        self.last_times: Optional[StepTimes] = None
+        self.monitored = False
+        self._resumed = False
+        self._resumed_at: Optional[int] = None
+        self._queued_hooks: List[tuple] = []
+        self._prev_grads: Optional[List[torch.Tensor]] = None
+        self._prev_local = (0.0, 0.0, 0.0)
+        self._step_time = 0.0
+        self._last_count = 0
+        self._micro_left = 0
+        self._step_open = False
+        self._loss_sum = 0.0
+        self._t_step = 0.0
+        self._walk: Optional[WalkKey] = None
+        self._walk_cursor = -1
+        self._stop_requested = False
+        self._finish_requested = False
+        self._epoch_logged = False
+        self.exit_code = 0
+        self._sample_file = None
+        self._bar = None
+        self._identical_after_resize: Optional[bool] = None
+        self._epoch_samples = 0
+        self._epoch_losses: List[float] = []
+        self._t_epoch = time.perf_counter()
+        if o.sample_log:
+            os.makedirs(o.sample_log, exist_ok=True)
+            self._sample_file = open(os.path.join(o.sample_log, f"samples-{os.getpid()}.jsonl"),
+                                     "a", encoding="utf-8")
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _setup_elastic(self) -> None:
+        from .elastic import ElasticController
+
+        o = self.options
+        if o.max_workers < self.world.size and not self.joining:
+            raise ConfigurationError(f"--max-workers {o.max_workers} is below the "
+                                     f"{self.world.size} workers already running")
+        if o.min_workers > o.max_workers:
+            raise ConfigurationError(f"--min-workers {o.min_workers} is above "
+                                     f"--max-workers {o.max_workers}")
+        if o.min_workers > self.world.size and not self.joining:
+            raise ConfigurationError(f"--min-workers {o.min_workers} is above the "
+                                     f"{self.world.size} workers running; start at least "
+                                     f"{o.min_workers}")
+        self.allocator, join_root = _build_allocator(o, self.world.rank)
+        self.elastic = ElasticController(self.world, self.allocator, joiner_argv(),
+                                         join_timeout=o.join_timeout,
+                                         min_workers=o.min_workers, join_root=join_root)
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              loader: ElasticDataLoader, *, extra: Optional[Mapping[str, Any]] = None,
+              identity: Optional[Mapping[str, Any]] = None) -> "Job":
+        """Make ``model`` and ``optimizer`` data-parallel and bind ``loader`` to the job.
+
+        ``extra``: the user's own state that travels with every resize and checkpoint
+        (objects with ``state_dict``/``load_state_dict``, loaded in place; or plain values,
+        read back as ``job.extra[key]``). Rank 0's copy is the one saved and sent to joiners:
+        keep it the same on every rank. ``identity``: values a checkpoint must
+        match to be resumed (e.g. a model name). On every rank, in the same order. Raises
+        ConfigurationError with the reason for unusable input."""
+        o = self.options
+        if not isinstance(loader, ElasticDataLoader):
+            raise ConfigurationError("the loader must be an hpcadapt.ElasticDataLoader (it "
+                                     "follows the job's global data cursor)")
+        if loader.batch_size < self.world.size and not self.joining:
+            raise ConfigurationError(
+                f"the global batch size {loader.batch_size} is below the {self.world.size} "
+                f"workers: each needs at least one sample per step; use a batch size of at "
+                f"least {self.world.size}")
+        self.extra = UserState(extra)
+        self.extra.check_serialisable()
+        self.identity = dict(identity or {})
+        self.model, self.loader = model, loader
+        self.optimizer = DistributedOptimizer(
+            optimizer, model.named_parameters(), world=self.world, bucket_bytes=o.bucket_bytes,
+            extra_slots=self._extra_slots())
+        group = optimizer.param_groups[0]
+        hyper = HyperParams(batch_size=loader.batch_size, lr=float(group["lr"]),
+                            momentum=float(_momentum_of(group)), base_lr=float(group["lr"]),
+                            base_batch_size=loader.batch_size)
+        monitors = list(dict.fromkeys(list(o.monitors) + self.engine.required_monitors))
+        self.monitor_cfg = MonitorConfig(tuple(monitors), self._monitor_interval(),
+                                         o.monitor_ema)
+        self.state = TrainingState(model, optimizer, loader.sampler, hyper,
+                                   GradientNoiseScale(o.monitor_ema), self.extra, self.engine)
+        loader._job = self
+        if self.joining:
+            self._join()
+        else:
+            if o.checkpoint:
+                self._check_checkpoint_folder(o.checkpoint)
+                self._resumed = self._resume(o.checkpoint)
+            if self.world.rank == 0:
+                log.info("training on %d workers, global batch %d, policies: %s",
+                         self.world.size, hyper.batch_size,
+                         ", ".join(p.name for p in self.engine.policies) or "none")
+        return self
+
+    def _monitor_interval(self) -> int:
+        import functools
+
+        o = self.options
+        intervals = [o.monitor_interval] if o.monitors else []
+        intervals += [max(1, int(p.interval)) for p in self.engine.policies if p.requires]
+        if self.engine.lr_rule.rule == "adascale":
+            intervals.append(o.monitor_interval)
+        return functools.reduce(math.gcd, intervals) if intervals else o.monitor_interval
+
+    def _agree(self, error: str) -> None:
+        """Rank 0's verdict for everyone: ConfigurationError on every rank if it is one."""
+        from .parallel import broadcast_object_state
+
+        verdict = broadcast_object_state({"error": error} if self.world.rank == 0 else None,
+                                         world=self.world)
+        if verdict["error"]:
+            raise ConfigurationError(verdict["error"])
+
+    def _check_checkpoint_folder(self, path: str) -> None:
+        """Refuse at start (not when the signal comes) a checkpoint that cannot be written."""
+        error = ""
+        if self.world.rank == 0:
+            folder = os.path.dirname(os.path.abspath(path))
+            try:
+                fd, probe = tempfile.mkstemp(prefix=".hpcadapt-probe-", dir=folder)
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as exc:
+                error = (f"--checkpoint {path}: cannot write in {folder} ({exc.strerror}); "
+                         f"pass a path in a writable folder")
+        self._agree(error)
+
+    @property
+    def step_count(self) -> int:
+        return self.state.step if self.state is not None else 0
+
+    # -- the loops -------------------------------------------------------------------------
+    def epochs(self, count: int) -> Iterator[int]:
+        """Yield the epochs still to train (a resumed or joined worker starts where the job
+        stands). The policies' epoch hooks run around each."""
+        if count < 1:
+            raise ConfigurationError(f"the number of epochs must be positive, got {count}")
+        st = self._require_setup()
+        resuming = self._resumed or self.joining
+        if not resuming:
+            self._hook("before_train")
+        first = True
+        while st.epoch < count and not self._over():
+            if st.sampler.epoch != st.epoch:
+                st.sampler.set_epoch(st.epoch)
+            if not (resuming and first):
+                self._hook("before_epoch")
+            first = False
+            self._epoch_samples, self._epoch_losses = 0, []
+            self._t_epoch = time.perf_counter()
+            self._epoch_logged = False
+            yield st.epoch
+            if self.left or self.stopped:
+                break
+            if not self._epoch_logged:
+                self.log_epoch()
+            if self.finished_by_stop_file or self._max_steps_reached():
+                break
+            done = st.sampler.epoch_done
+            self._hook("after_epoch")
+            if done:
+                st.epoch += 1
+                st.sampler.set_epoch(st.epoch)
+        if not self.left and not self.stopped:
+            self._hook("after_train")
+        self._finish_elastic()
+
+    def _batches(self) -> Iterator[Any]:
+        """This rank's (micro-)batches of the current epoch from the cursor on; the step
+        boundary runs between steps. A rank whose share of a step is empty trains on none
+        (its gradient contribution is zero) and yields nothing for that step."""
+        st = self._require_setup()
+        while not st.sampler.epoch_done and not self._over():
+            part, micro = self._begin_step()
+            if not micro:
+                self._stage_control()
+                self._finish_step()
+            for i, indices in enumerate(micro):
+                batch = self.loader.next_batch(indices)
+                self._micro_left = len(micro) - i
+                self._micro_share = len(indices) / len(part.indices)
+                self._micro_n = len(indices)
+                yield batch
+                if self._micro_left == len(micro) - i:
+                    raise ConfigurationError("call job.step(loss) once for every batch the "
+                                             "loader yields")
+            going_on = self._boundary(part.global_count)
+            if self.left:
+                self._leave()
+            if not going_on:
+                break
+
+    def _begin_step(self):
+        st = self.state
+        o = self.options
+        self._t_step = time.perf_counter()
+        h = st.hyper
+        if h.ramp is not None:
+            h.lr = h.lr_at(st.step)
+            if st.step - h.ramp[0] >= h.ramp[1]:
+                h.ramp = None
+        self._apply_lr(h.lr)
+        key = WalkKey(st.epoch, st.hyper.batch_size, self.world.rank, self.world.size,
+                      o.max_local_batch)
+        if key != self._walk or self._walk_cursor != st.sampler.cursor:
+            self.loader.restart(key, st.sampler.cursor)
+            self._walk = key
+        part = st.sampler.peek(st.hyper.batch_size, self.world.rank, self.world.size)
+        self._walk_cursor = st.sampler.cursor + part.global_count
+        self._part = part
+        micro = split_micro(part.indices, o.max_local_batch)
+        opt = self.optimizer
+        self.monitored = self.monitor_cfg.enabled and (st.step + 1) % self.monitor_cfg.interval == 0
+        opt.track_grad_norms = self.monitored and self.world.size > 1
+        opt.set_local_weight(part.weight)
+        opt.set_extra_slots(self._extra_slots())
+        opt.zero_grad()
+        self._loss_sum = 0.0
+        self._step_open = True
+        if self._sample_file is not None:
+            self._sample_file.write(json.dumps({"epoch": st.epoch, "step": st.step,
+                                                "rank": self.world.rank, "size": self.world.size,
+                                                "indices": part.indices.tolist()}) + "\n")
+        return part, micro
+
+    def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None) -> None:
+        """Backward of ``loss`` (the mean over the batch the loader yielded), then, after
+        the step's last micro-batch, the gradient allreduce (overlapped with backward) and
+        the optimizer step. Use it instead of ``loss.backward(); optimizer.step()``."""
+        if not self._step_open or self._micro_left <= 0:
+            raise ConfigurationError("job.step(loss) is called once per batch the loader "
+                                     "yields, inside `for batch in loader`")
+        self._loss_sum += float(loss.detach()) * self._micro_n
+        scaled = loss * self._micro_share if self._micro_share != 1.0 else loss
+        last = self._micro_left == 1
+        if last:
+            self._stage_control()
+            scaled.backward()
+        else:
+            with self.optimizer.no_sync():
+                scaled.backward()
+        self._micro_left -= 1
+        if last:
+            self._finish_step(clip_grad_norm)
+
+    def _finish_step(self, clip_grad_norm: Optional[float] = None) -> None:
+        st = self.state
+        t1 = time.perf_counter()
+        stats = self.optimizer.synchronize()
+        t2 = time.perf_counter()
+        if self.monitored:
+            self._update_monitors(stats, self._part.global_count)
+        self._keep_previous_gradients()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_grad_norm)
+        self.optimizer.optimizer.step()
+        st.sampler.advance(self._part.global_count)
+        st.step += 1
+        t3 = time.perf_counter()
+        self._prev_local = (t3 - self._t_step, t1 - self._t_step, t2 - t1)
+        self._read_control(stats.extras, self._part.global_count)
+        self._step_time = t3 - self._t_step
+        self._last_count = self._part.global_count
+        self._step_open = False
+
+    # -- control slots: loss, timings, stop votes ride in the last gradient bucket ----------
+    def _slot_ranks(self) -> int:
+        """Ranks the slots have room for: the most this job can grow to, so that a resize
+        does not have to rebuild the gradient buckets."""
+        cap = self.elastic.allocator.capacity() if self.elastic is not None else 0
+        return max(self.world.size, cap)
+
+    def _extra_slots(self) -> int:
+        # loss sum, per-rank step, compute and wait times and sample counts, then the stop
+        # file (rank 0 looks) and the number of ranks that received a stop signal.
+        return 3 + 4 * self._slot_ranks()
+
+    def _stage_control(self) -> None:
+        size, rank = self._slot_ranks(), self.world.rank
+        extras = np.zeros(self._extra_slots())
+        extras[0] = self._loss_sum
+        step_t, compute_t, wait_t = self._prev_local
+        extras[1 + rank] = step_t
+        extras[1 + size + rank] = compute_t
+        extras[1 + 2 * size + rank] = wait_t
+        extras[1 + 3 * size + rank] = len(self._part.indices)
+        stop_file = self.options.stop_file
+        extras[-2] = 1.0 if rank == 0 and stop_file and os.path.exists(stop_file) else 0.0
+        extras[-1] = 1.0 if self.stop_signals is not None and self.stop_signals.received else 0.0
+        self.optimizer.stage_extras(extras)
+
+    def _read_control(self, extras: np.ndarray, global_count: int) -> None:
+        cap, n = self._slot_ranks(), self.world.size
+        self.last_loss = extras[0] / global_count if global_count else float("nan")
+        self.last_times = StepTimes(*(extras[1 + k * cap:1 + k * cap + n].copy()
+                                      for k in range(4)))
+        self._stop_requested = bool(extras[-1] > 0.5)
+        self._finish_requested = bool(extras[-2] > 0.5)
+
+    # -- hyper-parameters ------------------------------------------------------------------
+    def _apply_lr(self, lr: float) -> None:
+        """Move every param group's rate by the factor the reference rate moved (groups keep
+        their ratios; a user's scheduler composes with it)."""
+        if lr == self.state.applied_lr:
+            return
+        factor = lr / self.state.applied_lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        self.state.applied_lr = lr
+
+    def _apply_momentum(self, momentum: float) -> None:
+        applied = False
+        for group in self.optimizer.param_groups:
+            if "momentum" in group:
+                group["momentum"] = momentum
+                applied = True
+        if not applied and self.world.rank == 0:
+            log.warning("momentum %.3g not applied: the optimizer (%s) has no SGD momentum "
+                        "(Adam's betas are left as they are)", momentum,
+                        type(self.optimizer.optimizer).__name__)
+
+    # -- the step boundary -----------------------------------------------------------------
+    def _boundary(self, count: int) -> bool:
+        """Between two steps, on every rank: metrics, stop, policies, resizes. Returns
+        whether training goes on in this epoch."""
+        st = self.state
+        self._epoch_samples += count
+        self._epoch_losses.append(self.last_loss)
+        self._log_step(count)
+        if self._stop_requested:
+            self._stop_for_signal()
+            return False
+        if self._finish_requested:
+            self.finished_by_stop_file = True
+            if self.world.rank == 0:
+                log.info("stop file %s found at step %d: training ends here",
+                         self.options.stop_file, st.step)
+            return False
+        if self._max_steps_reached():
+            return False
+        queued, self._queued_hooks = self._queued_hooks, []
+        for name, extra in queued:
+            self._hook(name, **extra)
+            if self.left:
+                return False
+        if self.engine.active and self.engine.due(st.step, self.monitored):
+            self._hook("after_step")
+        if not self.left:
+            self._poll_elastic()
+        return not self.left
+
+    def _over(self) -> bool:
+        return bool(self.left or self.stopped or self.finished_by_stop_file
+                    or self._max_steps_reached())
+
+    def _max_steps_reached(self) -> bool:
+        return self.options.max_steps is not None and self.state.step >= self.options.max_steps
+
+    def _hook(self, name: str, **extra: Any) -> None:
+        """Rank 0 decides with the policies; every rank applies the same plan."""
+        if not self.engine.active:
+            return
+        plan_text = ""
+        snap = decisions = None
+        if self.world.rank == 0:
+            snap = self.snapshot()
+            decisions = self.engine.decide(name, snap, **extra)
+            if decisions:
+                plan_text = self.engine.plan(decisions, snap, self.world.cluster_version).to_json()
+        plan_text = _broadcast_text(plan_text, self.world.comm)
+        if not plan_text:
+            return
+        plan = Plan.from_json(plan_text)
+        if plan.version != self.world.cluster_version:
+            raise HpcAdaptError(f"a plan of cluster version {plan.version} reached version "
+                                f"{self.world.cluster_version}")
+        if self.world.rank == 0:
+            for d in plan.decisions:
+                self.sink.write(DecisionRecord(
+                    step=snap.step, epoch=snap.epoch, policy=d["policy"], changes=d["changes"],
+                    reason=d["reason"], metrics=d["metrics"], world_size=self.world.size,
+                    batch_size=plan.batch_size or snap.batch_size,
+                    lr=plan.lr or (plan.ramp[3] if plan.ramp else snap.lr)))
+                log.info("decision at step %d by %s: %s (%s)", snap.step, d["policy"],
+                         d["changes"], d["reason"])
+        self._apply_plan(plan)
+        if self.world.rank == 0:
+            self.engine.told(decisions, snap)
+
+    def _apply_plan(self, plan: Plan) -> None:
+        """The hyper-parameters change together; then a resize, if asked for."""
+        h = self.state.hyper
+        new = replace(h)
+        if plan.batch_size is not None:
+            new.batch_size = plan.batch_size
+        if plan.momentum is not None:
+            new.momentum = plan.momentum
+        if plan.lr is not None:
+            new.lr, new.ramp = plan.lr, None
+            new.base_lr, new.base_batch_size = plan.base_lr, plan.base_batch_size
+        if plan.ramp is not None:
+            new.ramp = tuple(plan.ramp)
+            if plan.ramp[1] == 0:
+                new.lr, new.ramp = plan.ramp[3], None
+        self.state.hyper = new
+        if plan.momentum is not None:
+            self._apply_momentum(plan.momentum)
+        if plan.world_size is not None and plan.world_size != self.world.size:
+            self.request_resize(plan.world_size, plan.reason or "policy",
+                                remove=[plan.remove_rank] if plan.remove_rank is not None else None)
+
+    # -- elastic membership ------------------------------------------------------------------
+    def request_resize(self, new_size: int, reason: str = "user request", *,
+                       remove: Optional[List[int]] = None) -> None:
+        """Change the number of workers; call on every rank at the same point between steps
+        (policies do it through a plan). A shrink happens now; a grow starts now and
+        completes at a later step boundary, when the new workers are ready. Requests that
+        cannot be met are clipped or refused with a logged reason; training goes on."""
+        if self.elastic is None:
+            if self.world.rank == 0:
+                log.warning("resize to %d workers refused (%s): no allocator (start with "
+                            "--max-workers); training goes on with %d", new_size, reason,
+                            self.world.size)
+            return
+        target = self.elastic.clip(new_size, reason)
+        if target is None:
+            return
+        if target < self.world.size:
+            self._shrink(target, reason, remove)
+        else:
+            failed = self.elastic.start_grow(target, reason)
+            if failed is not None:
+                self._record_resize(failed)
+
+    def _shrink(self, target: int, reason: str, remove: Optional[List[int]]) -> None:
+        from .elastic import ResizeOutcome, split_leavers
+
+        old = self.world.size
+        leavers = [r for r in (remove or []) if 0 < r < old][: old - target]
+        for r in range(old - 1, 0, -1):
+            if len(leavers) >= old - target:
+                break
+            if r not in leavers:
+                leavers.append(r)
+        t0 = time.perf_counter()
+        new = split_leavers(self.world.comm, leavers)
+        if new is None:
+            self.left = True
+            log.info("leaving the job (%s)", reason)
+            return
+        self.world.replace(new)
+        self.elastic.allocator.released(old - target)
+        self._after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
+
+    def _poll_elastic(self) -> None:
+        from .elastic import ABANDON, JOIN, ResizeOutcome
+
+        if self.elastic is None or not self.elastic.growing:
+            return
+        status, joiners, detail = self.elastic.poll_grow()
+        if status == ABANDON:
+            self._record_resize(self.elastic.abandon(detail))
+        elif status == JOIN:
+            t0 = time.perf_counter()
+            decided = self.elastic.decided_at()
+            reason = self.elastic.pending.reason if self.elastic.pending else ""
+            old = self.world.size
+            self.world.replace(self.elastic.join(joiners))
+            self._sync_state(receiving=False)
+            self._after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
+                               decided)
+
+    def _join(self) -> None:
+        """A worker started for a grow: connect, merge, receive the state."""
+        from .elastic import JoinTicket, ResizeOutcome, join_running_job
+
+        self._drop_spawn_parent()
+        ticket = JoinTicket.claim(self._join_dir)
+        self.world.replace(join_running_job(ticket))
+        self._sync_state()
+        self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
+        log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
+                 self.state.step)
+
+    @staticmethod
+    def _drop_spawn_parent() -> None:
+        """A worker started by MPI_Comm_spawn joins through the port; it lets go of its parent."""
+        from mpi4py import MPI
+
+        parent = MPI.Comm.Get_parent()
+        if parent != MPI.COMM_NULL:
+            parent.Disconnect()
+
+    def _sync_state(self, *, receiving: bool = True) -> None:
+        """Broadcast the training state from rank 0 so every replica is identical. Ranks
+        that already hold it (``receiving=False``: the running job's, after a grow) split
+        off and take no part; the broadcast then reaches only the joiners."""
+        from mpi4py import MPI
+
+        rank = self.world.rank
+        part = self.world.comm.Split(0 if (receiving or rank == 0) else MPI.UNDEFINED, rank)
+        if part == MPI.COMM_NULL:
+            return
+        try:
+            version = self.state.broadcast(_CommView(part, self.world.cluster_version),
+                                           is_root=rank == 0)
+        finally:
+            part.Free()
+        if rank != 0 and version != self.world.cluster_version:
+            self.world._version = version
+
+    def _after_resize(self, outcome, paused_at: float = float("nan"),
+                      decided_at: float = float("nan")) -> None:
+        """Every rank of the new world: rebuild what depends on the size, record the resize,
+        and queue the policies' ``on_resize`` for the next boundary."""
+        self.optimizer.set_extra_slots(self._extra_slots())
+        self.optimizer._ensure_current()
+        self._identical_after_resize = None
+        if self.options.check_replicas and outcome.ok:
+            identical = self.replicas_identical()
+            if not identical and self.world.rank == 0:
+                log.error("replicas differ after the resize to %d workers", self.world.size)
+            self._identical_after_resize = identical
+        self._prev_local = (0.0, 0.0, 0.0)
+        self._prev_grads = None
+        self.last_times = None
+        now = time.perf_counter()
+        outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
+                          decision_to_first_step_s=now - decided_at)
+        self._record_resize(outcome)
+        # Every rank of the new world queues it (the hook is collective); only rank 0, never
+        # a joiner, decides with the sizes.
+        self._queued_hooks.append(("on_resize", {"old_size": outcome.old_size,
+                                                 "new_size": outcome.new_size}))
+
+    def _record_resize(self, outcome) -> None:
+        st = self.state
+        row = {"old_size": outcome.old_size, "new_size": outcome.new_size, "ok": outcome.ok,
+               "pause_s": outcome.pause_s, "reason": outcome.reason,
+               "decision_to_first_step_s": outcome.decision_to_first_step_s, "step": st.step}
+        self.resizes.append(row)
+        if outcome.old_size < 0:
+            return  # a joiner's view; rank 0 of the running job records the resize
+        self.sink.write(ResizeRecord(step=st.step, epoch=st.epoch, old_size=outcome.old_size,
+                                     new_size=outcome.new_size, reason=outcome.reason,
+                                     pause_s=outcome.pause_s, ok=outcome.ok,
+                                     cluster_version=self.world.cluster_version,
+                                     world_size=self.world.size,
+                                     batch_size=st.hyper.batch_size, lr=st.hyper.lr,
+                                     decision_to_first_step_s=outcome.decision_to_first_step_s,
+                                     replicas_identical=self._identical_after_resize
+                                     if outcome.ok else None))
+        if self.world.rank == 0:
+            level = logging.INFO if outcome.ok else logging.WARNING
+            log.log(level, "resize %d -> %d %s in %.3f s (%s)", outcome.old_size,
+                    outcome.new_size, "done" if outcome.ok else "not done", outcome.pause_s,
+                    outcome.reason)
+
+    def _finish_elastic(self) -> None:
+        """A grow still pending when training ends is abandoned on every rank."""
+        if self.elastic is not None and self.elastic.growing and not self.left:
+            self._record_resize(self.elastic.abandon("training ended first"))
+
+    def _leave(self) -> None:
+        """This rank left the job in a shrink: nothing of it is needed any more."""
+        self.sink.close()
+        if self._sample_file is not None:
+            self._sample_file.close()
+        world_mod.shutdown()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skipping the interpreter's teardown (about 0.7 s with torch loaded) gives the
+        # node back to Slurm that much sooner.
+        os._exit(0)
+
+    def replicas_identical(self) -> bool:
+        """Whether every rank holds bit-identical parameters (one small allreduce)."""
+        digest = int.from_bytes(bytes.fromhex(self.model_digest())[:7], "little")
+        pair = np.array([digest, -digest], dtype=np.int64)
+        communicator(self.world).allreduce(pair, ReduceOp.MAX)
+        return bool(pair[0] == -pair[1])
+
+    def model_digest(self) -> str:
+        """A hash of this rank's parameters (hex): equal digests, identical replicas."""
+        h = hashlib.blake2b(digest_size=16)
+        for p in self.model.parameters():
+            h.update(p.detach().contiguous().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    # -- monitoring --------------------------------------------------------------------------
+    def _update_monitors(self, stats, global_count: int) -> None:
+        n = self.world.size
+        if n >= 2:
+            est = estimate_from_replicas(stats.local_sqnorm_mean, stats.global_sqnorm, n,
+                                         global_count)
+        else:
+            grads = self.optimizer.flat_gradients()
+            if self._prev_grads is None:
+                self._prev_grads = [g.clone() for g in grads]
+                return
+            est = estimate_from_consecutive(grads, self._prev_grads, global_count)
+        if not self.state.gns.update(est):
+            log.warning("step %d: non-finite gradient statistics skipped (|G|^2=%s, trS=%s)",
+                        self.state.step, est.grad_sq, est.trace_sigma)
+
+    def _keep_previous_gradients(self) -> None:
+        """At world size 1 the next monitored step needs this step's gradient."""
+        st = self.state
+        if self.world.size == 1 and self.monitor_cfg.enabled and \
+                (st.step + 2) % self.monitor_cfg.interval == 0:
+            grads = self.optimizer.flat_gradients()
+            if self._prev_grads is None or len(self._prev_grads) != len(grads):
+                self._prev_grads = [g.clone() for g in grads]
+            else:
+                for dst, src in zip(self._prev_grads, grads):
+                    dst.copy_(src)
+        elif self.world.size > 1:
+            self._prev_grads = None
+
+    def _step_monitors(self) -> Dict[str, Any]:
+        gns = self.state.gns
+        out: Dict[str, Any] = {}
+        if self.monitored and gns.last is not None:
+            out.update(noise_scale=gns.noise_scale, grad_sq=gns.grad_sq,
+                       trace_sigma=gns.trace_sigma, grad_variance=gns.last.variance,
+                       grad_snr=gns.snr(self.state.hyper.batch_size))
+        if self.last_times is not None:
+            out.update(rank_step_time=self.last_times.step_time.round(6).tolist(),
+                       rank_compute_time=self.last_times.compute_time.round(6).tolist(),
+                       rank_wait_time=self.last_times.wait_time.round(6).tolist())
+        return out
+
+    def snapshot(self):
+        """What rank 0 knows at this step boundary, for the policies."""
+        from hpcadapt.policies.base import MetricsSnapshot
+
+        st, t, h = self.state, self.last_times, self.state.hyper
+        last = st.gns.last
+        return MetricsSnapshot(
+            step=st.step, epoch=st.epoch, world_size=self.world.size,
+            batch_size=h.batch_size, lr=h.lr, momentum=h.momentum,
+            base_lr=h.base_lr, base_batch_size=h.base_batch_size, loss=self.last_loss,
+            samples_per_s=(self._last_count / self._step_time) if self._step_time else float("nan"),
+            epoch_progress=st.sampler.cursor / st.sampler.num_samples,
+            test_accuracy=st.last_accuracy, monitored=self.monitored,
+            noise_scale=st.gns.noise_scale, grad_sq=st.gns.grad_sq,
+            trace_sigma=st.gns.trace_sigma,
+            grad_variance=last.variance if last else float("nan"),
+            grad_snr=st.gns.snr(h.batch_size),
+            step_time=tuple(t.step_time.tolist()) if t else (),
+            compute_time=tuple(t.compute_time.tolist()) if t else (),
+            wait_time=tuple(t.wait_time.tolist()) if t else (),
+            rank_samples=tuple(t.samples.tolist()) if t else (),
+            max_workers=self._slot_ranks() if self.elastic is not None else self.world.size,
+            cluster_version=self.world.cluster_version,
+            resizing=bool(self.elastic is not None and self.elastic.growing))
+
+    # -- metrics -------------------------------------------------------------------------------
+    def _log_step(self, count: int) -> None:
+        st = self.state
+        self.sink.write(StepRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
+                                   batch_size=st.hyper.batch_size, lr=st.hyper.lr,
+                                   momentum=st.hyper.momentum, loss=self.last_loss,
+                                   samples_per_s=count / self._step_time if self._step_time else 0.0,
+                                   step_time_s=self._step_time,
+                                   cluster_version=self.world.cluster_version,
+                                   monitors=self._step_monitors()))
+        if self.options.progress and self.world.rank == 0 and st.step % 20 == 0:
+            sys.stderr.write(f"\repoch {st.epoch} step {st.step} loss {self.last_loss:.4f} "
+                             f"batch {st.hyper.batch_size} on {self.world.size} workers   ")
+
+    def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: float) -> None:
+        """Record the epoch that just ended (call on every rank, inside ``job.epochs()``):
+        the metrics line, the log, and the accuracy the policies see."""
+        st = self._require_setup()
+        if test_accuracy is not None:
+            st.last_accuracy = float(test_accuracy)
+        elapsed = time.perf_counter() - self._t_epoch
+        losses = [x for x in self._epoch_losses if x == x]
+        rec = EpochRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
+                          batch_size=st.hyper.batch_size, lr=st.hyper.lr,
+                          loss=float(np.mean(losses)) if losses else float("nan"),
+                          samples_per_s=self._epoch_samples / elapsed if elapsed else 0.0,
+                          test_accuracy=st.last_accuracy if test_accuracy is not None
+                          else float("nan"), epoch_time_s=elapsed,
+                          cluster_version=self.world.cluster_version)
+        self.sink.write(rec)
+        self._epoch_logged = True
+        if self.world.rank == 0:
+            log.info("epoch %d: loss %.4f, test accuracy %.4f, %.0f samples/s, batch %d on "
+                     "%d workers", st.epoch, rec.loss, rec.test_accuracy, rec.samples_per_s,
+                     st.hyper.batch_size, self.world.size)
+
+    # -- preemption and checkpoints ------------------------------------------------------------
+    def _resume(self, path: str) -> bool:
+        """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
+        from .parallel import broadcast_object_state
+
+        error, found = "", False
+        if self.world.rank == 0 and os.path.exists(path):
+            found = True
+            try:
+                self.state.load(path, identity=self.identity)
+            except (OSError, ValueError, KeyError, RuntimeError, TypeError,
+                    ConfigurationError) as exc:
+                error = (f"cannot resume from {path}: {exc}; remove it or pass another "
+                         f"--checkpoint")
+        verdict = broadcast_object_state({"error": error, "found": found}
+                                         if self.world.rank == 0 else None, world=self.world)
+        if verdict["error"]:
+            raise ConfigurationError(verdict["error"])
+        if not verdict["found"]:
+            return False
+        self._sync_state()
+        self._resumed_at = self.state.step
+        if self.world.rank == 0:
+            log.info("resumed from %s at epoch %d, step %d", path, self.state.epoch,
+                     self.state.step)
+        return True
+
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0: write the whole training state to ``path`` atomically."""
+        self.state.save(path, cluster_version=self.world.cluster_version,
+                        identity=self.identity)
+
+    def _stop_for_signal(self) -> None:
+        """Every rank, at the boundary where a stop signal became known: rank 0 saves."""
+        name = (self.stop_signals.received if self.stop_signals and self.stop_signals.received
+                else "a stop signal on another rank")
+        self.stopped = name
+        saved = np.ones(1, dtype=np.int64)
+        if self.world.rank == 0:
+            saved[0] = self._save_for_stop(name)
+        communicator(self.world).broadcast(saved, root=0)
+        if not saved[0]:
+            self.stopped = f"{name}; state NOT saved"
+
+    def _save_for_stop(self, name: str) -> bool:
+        st = self.state
+        if self._resumed_at is not None and st.step - self._resumed_at < 20:
+            log.warning("stopped again %d step(s) after resuming: the job gets its stop "
+                        "signal right after it starts. Slurm sends --signal=SIG@T up to "
+                        "60 s before T; make the time limit (--time) well longer than "
+                        "T + 60 s", st.step - self._resumed_at)
+        path = self.options.checkpoint
+        if not path:
+            log.warning("stopped on %s at step %d; no --checkpoint given, state not saved",
+                        name, st.step)
+            return False
+        try:
+            self.save_checkpoint(path)
+        except (OSError, RuntimeError) as exc:
+            log.error("stopped on %s at step %d, but the state could not be saved to %s: %s; "
+                      "the job must not be requeued from it (free space, or pass another "
+                      "--checkpoint)", name, st.step, path, exc)
+            return False
+        log.warning("stopped on %s at epoch %d, step %d; state saved to %s",
+                    name, st.epoch, st.step, path)
+        return True
+
+    # -- the end ---------------------------------------------------------------------------------
+    def summary(self) -> Dict[str, Any]:
+        st = self._require_setup()
+        return _strict({"final_test_accuracy": st.last_accuracy, "steps": st.step,
+                        "epochs": st.epoch, "world_size": self.world.size,
+                        "batch_size": st.hyper.batch_size, "lr": st.hyper.lr,
+                        "left": self.left, "cluster_version": self.world.cluster_version,
+                        "resizes": self.resizes, "stopped": self.stopped,
+                        "model_digest": self.model_digest()})
+
+    def finish(self, *, exit: bool = True) -> Dict[str, Any]:
+        """End the job on every rank: rank 0 prints the summary as one line of JSON (and
+        writes ``--summary-json``), the checkpoint of a finished training is removed, MPI
+        is released. After a stop signal it exits with 75 (the job script requeues) or 1
+        when the state could not be saved, unless ``exit=False`` (then see ``exit_code``)."""
+        summary = self.summary()
+        if self.world.rank == 0:
+            if self.options.progress:
+                sys.stderr.write("\n")
+            print(json.dumps(summary), flush=True)
+            if self.options.summary_json:
+                with open(self.options.summary_json, "w", encoding="utf-8") as f:
+                    json.dump(summary, f)
+        self.sink.close()
+        if self._sample_file is not None:
+            self._sample_file.close()
+        if self.allocator is not None:
+            self.allocator.close()
+        self.exit_code = 0
+        if self.stopped:
+            # Requeue only from a saved state (rank 0 saves; the others follow its word).
+            self.exit_code = 1 if self.stopped.endswith("NOT saved") else EXIT_REQUEUE
+        elif self.options.checkpoint and self.world.rank == 0 and not self.joining \
+                and os.path.exists(self.options.checkpoint):
+            os.unlink(self.options.checkpoint)
+            log.info("training finished; removed the preemption checkpoint %s",
+                     self.options.checkpoint)
+        world_mod.shutdown()
+        if exit and self.exit_code:
+            sys.exit(self.exit_code)
+        return summary
+
+    def _require_setup(self) -> TrainingState:
+        if self.state is None:
+            raise ConfigurationError("call job.setup(model, optimizer, loader) first")
+        return self.state
+
+
+def _momentum_of(group: Mapping[str, Any]) -> float:
+    if "momentum" in group:
+        return float(group["momentum"])
+    betas = group.get("betas")
+    return float(betas[0]) if betas else 0.0
+
+
+def _strict(value: Any) -> Any:
+    """JSON has no NaN or infinity: None in their place (the summary is strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def _broadcast_text(text: str, comm) -> str:
+    """Broadcast a short text from rank 0: a length, then the bytes if any."""
+    if comm.Get_size() == 1:
+        return text
+    payload = text.encode() if comm.Get_rank() == 0 else b""
+    n = np.array([len(payload)], dtype=np.int64)
+    comm.Bcast(n, root=0)
+    if n[0] == 0:
+        return ""
+    buf = np.frombuffer(payload, dtype=np.uint8).copy() if comm.Get_rank() == 0 \
+        else np.empty(int(n[0]), dtype=np.uint8)
+    comm.Bcast(buf, root=0)
+    return buf.tobytes().decode()
+
+
+def _build_allocator(options: JobOptions, rank: int):
+    """The allocator the options ask for, and the folder joiners find the port in.
+
+    Slurm needs its commands and a job to live in; without them it says why in one line
+    (rank 0) and the job uses the local allocator."""
+    from .allocator import LocalAllocator
+
+    if options.allocator in ("auto", "slurm"):
+        from hpcadapt.slurm import SlurmAllocator, in_slurm_job, slurm_available
+
+        why = ""
+        if not slurm_available():
+            why = "no Slurm commands (sbatch, squeue, scancel, scontrol) on this machine"
+        elif not in_slurm_job():
+            why = "not inside a Slurm job (SLURM_JOB_ID is not set)"
+        if not why:
+            # The port folder must be visible from the new nodes: the job's working folder.
+            return (SlurmAllocator(None, options.max_workers, partition=options.slurm_partition,
+                                   pending_timeout=options.slurm_pending_timeout,
+                                   mpi=options.slurm_mpi, grow=options.slurm_grow),
+                    os.path.join(os.getcwd(), ".hpcadapt-join"))
+        if options.allocator == "slurm" and rank == 0:
+            log.warning("Slurm allocator unavailable: %s; using the local allocator", why)
+    return LocalAllocator(options.max_workers, launcher=options.launcher), None

@@ -1,0 +1,34 @@
+"""A user script that sets up one piece of bad input, named by --case."""
+
+import argparse
+import os
+import threading
+
+import torch
+from torch.utils.data import TensorDataset
+
+import hpcadapt
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--case", required=True)
+parser.add_argument("--width", type=int, default=4)
+parser.add_argument("--save-to", default=None)
+hpcadapt.add_arguments(parser)
+args = parser.parse_args()
+job = hpcadapt.Job(args)
+width = args.width
+if args.case == "params-differ" and job.world.rank == 1:
+    width = 5
+model = torch.nn.Linear(width, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = TensorDataset(torch.randn(64, width), torch.randint(0, 2, (64,)))
+batch = 1 if args.case == "small-batch" else 16
+loader = hpcadapt.ElasticDataLoader(data, batch_size=batch)
+extra = {"lock": threading.Lock()} if args.case == "unserialisable" else {"n": 0}
+job.setup(model, opt, loader, extra=extra)
+for epoch in job.epochs(2):
+    for x, y in loader:
+        job.step(torch.nn.functional.cross_entropy(model(x), y))
+if args.save_to and job.world.rank == 0:
+    job.save_checkpoint(args.save_to)
+job.finish()

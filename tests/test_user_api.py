@@ -1,0 +1,171 @@
+"""The public API from a user's own script (examples/mnist1d_adamw.py: own 1-D CNN, own
+Dataset through a loader with worker processes, AdamW, own loss, EMA weights and a counter
+as extra state) on real MPI ranks: policies, resizes, preemption, failure, bad input."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, mpiexec, run_mpi
+
+EXAMPLE = str(ROOT / "examples" / "mnist1d_adamw.py")
+SCRIPTS = ROOT / "tests" / "scripts"
+N_TRAIN = 4000  # MNIST-1D's training split of 5,000 samples
+
+
+def summary_of(stdout: str) -> dict:
+    lines = [l for l in stdout.splitlines() if l.startswith("{")]
+    assert lines, stdout[-3000:]
+    return json.loads(lines[-1])  # strict JSON: NaN would fail here (parse_constant)
+
+
+def metrics(path) -> list:
+    return [json.loads(l, parse_constant=lambda c: pytest.fail(f"{c} in metrics"))
+            for l in open(path, encoding="utf-8")]
+
+
+def samples(folder) -> collections.Counter:
+    seen: collections.Counter = collections.Counter()
+    for path in glob.glob(os.path.join(folder, "samples-*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                seen.update((row["epoch"], i) for i in row["indices"])
+    return seen
+
+
+def assert_exactly_once(seen: collections.Counter, epochs: int) -> None:
+    assert set(seen.values()) == {1}, collections.Counter(seen.values())
+    for e in range(epochs):
+        assert sum(1 for (ep, _) in seen if ep == e) == N_TRAIN, e
+
+
+@pytest.mark.slow
+def test_own_script_gns_batch_changes_the_batch_mid_epoch(tmp_path):
+    m = tmp_path / "m.jsonl"
+    proc = run_mpi(2, [EXAMPLE, "--epochs", "3", "--policy", "gns-batch", "--gns-batch-max",
+                       "512", "--lr-rule", "sqrt", "--metrics-file", str(m), "--no-progress",
+                       "--sample-log", str(tmp_path / "s")], timeout=600)
+    rows = metrics(m)
+    steps = [r for r in rows if r["event"] == "step"]
+    changes = [i for i in range(1, len(steps)) if steps[i]["batch_size"] != steps[i - 1]["batch_size"]]
+    assert changes, "gns-batch never changed the batch"
+    # mid-epoch: the step before and after the change belong to the same epoch
+    assert any(steps[i]["epoch"] == steps[i - 1]["epoch"] for i in changes)
+    assert any(r["event"] == "decision" and r["policy"] == "gns-batch" for r in rows)
+    assert_exactly_once(samples(tmp_path / "s"), 3)
+    s = summary_of(proc.stdout)
+    assert s["epochs"] == 3 and s["final_test_accuracy"] > 0.3  # chance is 0.1
+
+
+@pytest.mark.slow
+def test_own_script_grows_and_shrinks_with_identical_replicas(tmp_path):
+    m = tmp_path / "m.jsonl"
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "elastic.sh"), "--no-progress",
+                           "--sample-log", str(tmp_path / "s")],
+                          env={**os.environ, "EPOCHS": "6", "METRICS": str(m),
+                               "PYTHON": sys.executable, "MPIEXEC": mpiexec()},
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    resizes = [r for r in metrics(m) if r["event"] == "resize"]
+    assert [(r["old_size"], r["new_size"], r["ok"]) for r in resizes] == [(2, 3, True), (3, 2, True)]
+    assert all(r["replicas_identical"] for r in resizes)
+    sizes = {r["world_size"] for r in metrics(m) if r["event"] == "step"}
+    assert sizes == {2, 3}
+    assert "joined as rank 2 of 3" in proc.stderr
+    assert_exactly_once(samples(tmp_path / "s"), 6)
+    assert summary_of(proc.stdout)["epochs"] == 6
+
+
+def _wait_for(predicate, what: str, proc, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {what}: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"no {what} within {timeout} s")
+
+
+def _rank_pid(folder, rank):
+    for path in glob.glob(os.path.join(folder, "samples-*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            line = f.readline()
+        if line.endswith("\n") and json.loads(line)["rank"] == rank:
+            return int(path.rsplit("-", 1)[1].split(".")[0])
+    return None
+
+
+@pytest.mark.slow
+def test_usr1_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+    ckpt, m = tmp_path / "state.ckpt", tmp_path / "m.jsonl"
+    common = [EXAMPLE, "--no-progress", "--policy", "gns-batch", "--gns-batch-max", "256"]
+    first = subprocess.Popen([mpiexec(), "-n", "2", sys.executable] + common + [
+        "--epochs", "1000", "--checkpoint", str(ckpt), "--metrics-file", str(m),
+        "--sample-log", str(tmp_path / "s")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    # Train until told: signal rank 1 once the run reports step 5.
+    _wait_for(lambda: m.exists() and m.read_text().count('"event": "step"') >= 5,
+              "step 5", first)
+    os.kill(_rank_pid(tmp_path / "s", 1), signal.SIGUSR1)
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 75, err[-3000:]
+    stopped = summary_of(out)
+    assert stopped["stopped"] == "a stop signal on another rank" and ckpt.exists()
+    total = stopped["steps"] + 40
+    second = run_mpi(2, common + ["--epochs", "1000", "--checkpoint", str(ckpt), "--max-steps",
+                                  str(total), "--sample-log", str(tmp_path / "s")], timeout=600)
+    assert f"resumed from {ckpt} at epoch" in second.stderr and not ckpt.exists()
+    reference = run_mpi(2, common + ["--epochs", "1000", "--max-steps", str(total),
+                                     "--sample-log", str(tmp_path / "ref")], timeout=600)
+    resumed, ref = summary_of(second.stdout), summary_of(reference.stdout)
+    assert resumed["steps"] == ref["steps"] == total
+    assert resumed["model_digest"] == ref["model_digest"]  # model, AdamW, EMA: bit for bit
+    assert resumed["batch_size"] == ref["batch_size"] and resumed["lr"] == ref["lr"]
+    assert samples(tmp_path / "s") == samples(tmp_path / "ref")
+
+
+def test_an_exception_on_rank_1_ends_the_job_with_its_traceback():
+    proc = run_mpi(2, [str(SCRIPTS / "fail_on_rank1.py")], check=False, timeout=300)
+    assert proc.returncode != 0
+    assert "[rank 1] RuntimeError: user code failed on purpose at step 3" in proc.stderr
+    assert "[rank 1] Traceback" in proc.stderr and "aborting all 2 ranks" in proc.stderr
+
+
+@pytest.mark.parametrize("case,flags,message", [
+    ("params-differ", [], "ranks passed tensors of different shapes"),
+    ("small-batch", [], "the global batch size 1 is below the 2 workers"),
+    ("unserialisable", [], "user state 'lock' (lock) cannot be saved"),
+    ("ok", ["--checkpoint", "/proc/hpcadapt-no/x.ckpt"], "cannot write in /proc/hpcadapt-no"),
+])
+def test_bad_input_is_one_clear_line_and_no_hang(case, flags, message):
+    proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", case] + flags, check=False,
+                   timeout=300)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_checkpoint_of_another_model_says_what_differs(tmp_path):
+    ckpt = str(tmp_path / "c.ckpt")
+    run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", "ok", "--save-to", ckpt])
+    proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", "ok", "--width", "6",
+                       "--checkpoint", ckpt], check=False, timeout=300)
+    assert proc.returncode != 0
+    assert "'weight' has shape (2, 4) there and (2, 6) in this model" in proc.stderr
+
+
+def test_a_policy_flag_without_its_policy_is_named():
+    proc = run_mpi(1, [str(SCRIPTS / "bad_input.py"), "--case", "ok", "--gns-batch-max", "64"],
+                   timeout=300)
+    assert "--gns-batch-max given without --policy gns-batch" in proc.stderr
