@@ -17,8 +17,6 @@ import pytest
 from conftest import ROOT, mpiexec
 from hpcadapt.preemption import EXIT_REQUEUE, StopSignals, parse_signal
 
-EPOCHS = 12
-
 
 def test_parse_signal_and_handler_keeps_the_first():
     assert parse_signal("usr1") == signal.SIGUSR1 and parse_signal("SIGTERM") == signal.SIGTERM
@@ -35,7 +33,7 @@ def test_parse_signal_and_handler_keeps_the_first():
 
 
 def _train(tmp_path, samples: str, extra=()):
-    return [mpiexec(), "-n", "2", sys.executable, "-m", "hpcadapt.train", "--epochs", str(EPOCHS),
+    return [mpiexec(), "-n", "2", sys.executable, "-m", "hpcadapt.train",
             "--no-progress", "--sample-log", str(tmp_path / samples), "--threads", "1"] + list(extra)
 
 
@@ -53,57 +51,95 @@ def _rank_pids(folder) -> dict:
     return pids
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_signal_to_one_rank_saves_state_and_the_restart_finishes_exactly_once(tmp_path, sig):
-    ckpt = tmp_path / "state.ckpt"
-    flags = ["--checkpoint", str(ckpt), "--metrics-file", str(tmp_path / "m.jsonl")]
-    reference = subprocess.run(_train(tmp_path, "ref-samples"), cwd=ROOT, capture_output=True,
-                               text=True, timeout=600)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+def _wait_for(predicate, what: str, proc, timeout: float = 600):
+    """Poll ``predicate`` until it is true; fail at once if ``proc`` ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before {what}: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.02)
+    pytest.fail(f"no {what} within {timeout} s")
 
-    first = subprocess.Popen(_train(tmp_path, "samples", flags), cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    pids = {}
-    while time.monotonic() < deadline and len(pids) < 2:
-        pids = _rank_pids(tmp_path / "samples")
-        time.sleep(0.05)
-    time.sleep(0.5)
-    os.kill(pids[1], sig)  # rank 1 only: the others learn it through the allreduce
-    out, err = first.communicate(timeout=300)
-    assert first.returncode == EXIT_REQUEUE, err[-3000:]
-    assert ckpt.exists()
-    stopped = _summary(out)
-    assert stopped["stopped"] and 0 < stopped["steps"] < EPOCHS * 45
-    assert f"stopped on a stop signal on another rank at epoch {stopped['epochs']}, " \
-           f"step {stopped['steps']}; state saved" in err
 
-    second = subprocess.run(_train(tmp_path, "samples", flags), cwd=ROOT, capture_output=True,
-                            text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert f"resumed from {ckpt} at epoch {stopped['epochs']}, step {stopped['steps']}" in second.stderr
-    assert not ckpt.exists()
-    seen = collections.Counter()
-    for path in glob.glob(str(tmp_path / "samples" / "*.jsonl")):
+def _steps_reported(metrics) -> int:
+    return metrics.read_text().count('"event": "step"') if metrics.exists() else 0
+
+
+def _seen(folder) -> collections.Counter:
+    seen: collections.Counter = collections.Counter()
+    for path in glob.glob(str(folder / "*.jsonl")):
         with open(path) as f:
             for line in f:
                 row = json.loads(line)
                 seen.update((row["epoch"], i) for i in row["indices"])
-    assert len(seen) == EPOCHS * 1438 and set(seen.values()) == {1}
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_one_rank_saves_state_and_the_restart_finishes_exactly_once(tmp_path, sig):
+    """Train until told: the signal goes to rank 1 once the run has reported step 5, so the
+    test holds on a fast machine and a slow one. The restart and an uninterrupted reference
+    then train to the same step count (--max-steps) and must agree bit for bit."""
+    ckpt, metrics = tmp_path / "state.ckpt", tmp_path / "m.jsonl"
+    flags = ["--epochs", "1000", "--checkpoint", str(ckpt)]
+    first = subprocess.Popen(_train(tmp_path, "samples", flags + ["--metrics-file", str(metrics)]),
+                             cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for(lambda: _steps_reported(metrics) >= 5, "step 5", first)
+    # The sample log is buffered: rank 1's first line (with its pid) may come a little later.
+    pids = _wait_for(lambda: (lambda p: p if len(p) == 2 else None)(_rank_pids(tmp_path / "samples")),
+                     "both ranks' sample logs", first)
+    os.kill(pids[1], sig)  # rank 1 only: the others learn it through the control reduction
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == EXIT_REQUEUE, err[-3000:]
+    assert ckpt.exists()
+    stopped = _summary(out)
+    assert stopped["stopped"] == "a stop signal on another rank" and stopped["steps"] >= 5
+    assert f"stopped on a stop signal on another rank at epoch {stopped['epochs']}, " \
+           f"step {stopped['steps']}; state saved" in err
+
+    total = stopped["steps"] + 2 * 45 + 7  # two more epochs and then some (45 steps each)
+    second = subprocess.run(_train(tmp_path, "samples", flags + ["--max-steps", str(total)]),
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {ckpt} at epoch {stopped['epochs']}, step {stopped['steps']}" in second.stderr
+    assert not ckpt.exists()
+    reference = subprocess.run(_train(tmp_path, "ref-samples", ["--epochs", "1000", "--max-steps",
+                                                                str(total)]),
+                               cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    seen, ref_seen = _seen(tmp_path / "samples"), _seen(tmp_path / "ref-samples")
+    assert set(seen.values()) == {1} and seen == ref_seen  # nothing skipped, nothing twice
+    full_epochs = max(e for e, _ in seen)
+    assert all(sum(1 for (e, _) in seen if e == k) == 1438 for k in range(full_epochs))
     # Same seed, same size: the interrupted training is the uninterrupted one, bit for bit.
-    assert _summary(second.stdout)["final_test_accuracy"] == \
-        _summary(reference.stdout)["final_test_accuracy"]
-    assert _summary(second.stdout)["steps"] == _summary(reference.stdout)["steps"]
+    resumed, ref = _summary(second.stdout), _summary(reference.stdout)
+    assert resumed["steps"] == ref["steps"] == total
+    assert resumed["model_digest"] == ref["model_digest"]
+    assert resumed["final_test_accuracy"] == ref["final_test_accuracy"]
+
+
+def _blocked(pid: int, sig: int) -> bool:
+    """Whether ``pid`` blocks ``sig`` now (the SigBlk mask in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(l.split()[1], 16) for l in f if l.startswith("SigBlk:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask & (1 << (sig - 1)))
 
 
 def test_a_signal_during_start_up_waits_for_the_handler(tmp_path):
-    """Slurm may signal a requeued job the moment it starts, while torch still loads."""
+    """Slurm may signal a requeued job the moment it starts, while torch still loads: the
+    signal is sent as soon as the entry point blocks it, before any handler exists."""
     ckpt = tmp_path / "state.ckpt"
     proc = subprocess.Popen([sys.executable, "-m", "hpcadapt.train", "--epochs", "2",
                              "--no-progress", "--checkpoint", str(ckpt)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(0.3)  # the interpreter is up; torch is not loaded yet
+    _wait_for(lambda: _blocked(proc.pid, signal.SIGUSR1), "SIGUSR1 blocked", proc)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_REQUEUE, err[-3000:]
@@ -111,13 +147,29 @@ def test_a_signal_during_start_up_waits_for_the_handler(tmp_path):
     assert "stopped on SIGUSR1 at epoch 0, step 1; state saved" in err
 
 
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_at_start():
+    proc = subprocess.run([sys.executable, "-m", "hpcadapt.train", "--epochs", "2",
+                           "--no-progress", "--checkpoint", "/proc/hpcadapt-no/state.ckpt"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--checkpoint /proc/hpcadapt-no/state.ckpt: cannot write in /proc/hpcadapt-no" \
+        in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_state_that_cannot_be_saved_is_not_requeued(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "hpcadapt.train", "--epochs", "2",
-                             "--no-progress", "--checkpoint", "/proc/hpcadapt-no/state.ckpt"],
-                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(0.3)
+    """The folder was writable at start but is gone when the signal comes."""
+    folder, metrics = tmp_path / "gone", tmp_path / "m.jsonl"
+    folder.mkdir()
+    ckpt = folder / "state.ckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "hpcadapt.train", "--epochs", "1000",
+                             "--no-progress", "--checkpoint", str(ckpt), "--metrics-file",
+                             str(metrics)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    _wait_for(lambda: _steps_reported(metrics) >= 3, "step 3", proc)
+    folder.rmdir()
+    folder.write_text("a file where the folder was")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, err[-3000:]  # not 75: the job script must not requeue
-    assert "but the state could not be saved to /proc/hpcadapt-no/state.ckpt" in err
+    assert f"but the state could not be saved to {ckpt}" in err
     assert _summary(out)["stopped"] == "SIGTERM; state NOT saved"
