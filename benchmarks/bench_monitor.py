@@ -45,7 +45,7 @@ def main() -> None:
     single_thread()
     w = hpcadapt.init()
     cfg = TrainConfig(model="resnet", dataset="synthetic", batch_size=args.batch, epochs=1000,
-                      progress=False, synthetic_samples=2048, width=32)
+                      progress=False, samples=2048, width=32)
     trainer = Trainer(cfg, w)
     comm = MPI.COMM_WORLD
     times = {n: [] for n in NAMES}

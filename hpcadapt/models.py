@@ -26,6 +26,9 @@ def mlp(input_shape: Tuple[int, ...], num_classes: int, *, hidden: Sequence[int]
 
 
 def cnn(input_shape: Tuple[int, ...], num_classes: int, *, width: int = 32, **_) -> nn.Module:
+    """A small CNN: 2-D for images (C, H, W), 1-D for sequences (C, L) such as MNIST-1D."""
+    if len(input_shape) == 2:
+        return _cnn1d(input_shape, num_classes, width)
     c = input_shape[0]
     return nn.Sequential(
         nn.Conv2d(c, width, 3, padding=1), nn.ReLU(),
@@ -34,6 +37,19 @@ def cnn(input_shape: Tuple[int, ...], num_classes: int, *, width: int = 32, **_)
         nn.AdaptiveAvgPool2d(2), nn.Flatten(),
         nn.Linear(width * 2 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
     )
+
+
+def _cnn1d(input_shape: Tuple[int, ...], num_classes: int, width: int) -> nn.Module:
+    """Greydanus' MNIST-1D baseline shape: three strided convolutions keep where a feature
+    is (pooling it away costs accuracy on translated signals), then one linear layer."""
+    c, length = input_shape
+    features = nn.Sequential(
+        nn.Conv1d(c, width, 5, stride=2, padding=2), nn.ReLU(),
+        nn.Conv1d(width, width, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv1d(width, width, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten())
+    with torch.no_grad():
+        flat = features(torch.zeros(1, c, length)).shape[1]
+    return nn.Sequential(features, nn.Linear(flat, num_classes))
 
 
 class _Block(nn.Module):

@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--model", choices=sorted(MODELS), default="mlp", help="built-in model")
     g.add_argument("--dataset", choices=sorted(DATASETS), default="digits",
-                   help="digits: scikit-learn's handwritten digits; synthetic: random images")
+                   help="digits: scikit-learn's handwritten digits; mnist1d: MNIST-1D "
+                        "(generated offline); synthetic: random images")
     g.add_argument("--epochs", type=positive_int, default=5)
     g.add_argument("--batch-size", type=positive_int, default=32, help="global batch size")
     g.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate")
@@ -90,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden", type=_int_list, default=[256, 256],
                    help="MLP hidden widths, comma-separated")
     g.add_argument("--width", type=positive_int, default=32, help="CNN/ResNet base width")
-    g.add_argument("--synthetic-samples", type=positive_int, default=4096,
-                   help="samples of the generated datasets (synthetic)")
+    g.add_argument("--samples", "--synthetic-samples", dest="samples", type=positive_int,
+                   default=None, help="samples of the generated datasets in all (default: "
+                                      "5000 for mnist1d, 4096 for synthetic)")
     g.add_argument("--threads", type=_threads, default=0,
                    help="torch intra-op threads per rank (0: torch's default)")
     add_arguments(p)

@@ -49,7 +49,8 @@ def run_builtin(args: argparse.Namespace) -> Dict[str, Any]:
     job = Job(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    data = load_dataset(args.dataset, seed=args.seed, num_samples=args.synthetic_samples)
+    sizes = {"num_samples": args.samples} if args.samples is not None else {}
+    data = load_dataset(args.dataset, seed=args.seed, **sizes)
     model = build_model(args.model, data.input_shape, data.num_classes, seed=args.seed,
                         hidden=args.hidden, width=args.width)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,

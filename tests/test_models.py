@@ -14,6 +14,14 @@ def test_models_map_inputs_to_logits(name, shape):
     assert count_parameters(m) > 1000
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_sequence_models_take_mnist1d_shaped_inputs(name):
+    m = build_model(name, (1, 40), 10)
+    assert m(torch.randn(4, 1, 40)).shape == (4, 10)
+    if name == "cnn":
+        assert any(isinstance(layer, torch.nn.Conv1d) for layer in m.modules())
+
+
 def test_same_seed_same_weights():
     a, b = build_model("cnn", (1, 8, 8), 10, seed=5), build_model("cnn", (1, 8, 8), 10, seed=5)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

@@ -1,0 +1,140 @@
+"""The README's "Your own training script", followed literally: its script is saved under
+the name it gives, and its commands run as written (with `python` and `mpiexec` the ones of
+this test run) on real MPI ranks."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from conftest import ROOT, mpiexec
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _section(title: str) -> str:
+    start = README.index(f"## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start:end if end > 0 else None]
+
+
+def _blocks(text: str) -> List[str]:
+    return re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
+
+
+SECTION = _section("Your own training script")
+SCRIPT = next(b for b in _blocks(SECTION) if b.startswith("# file: "))
+SCRIPT_NAME = SCRIPT.splitlines()[0].split()[-1]
+COMMANDS = [line for b in _blocks(SECTION) if not b.startswith("# file: ")
+            for line in b.splitlines() if line.startswith(("mpiexec ", "python "))]
+
+
+def _argv(command: str) -> List[str]:
+    words = shlex.split(command)
+    out = []
+    for w in words:
+        out.append(mpiexec() if w == "mpiexec" else sys.executable if w == "python" else w)
+    return out
+
+
+def _command(fragment: str) -> List[str]:
+    found = [c for c in COMMANDS if fragment in c]
+    assert len(found) == 1, (fragment, COMMANDS)
+    return _argv(found[0])
+
+
+def _summary(stdout: str) -> dict:
+    lines = [l for l in stdout.splitlines() if l.startswith("{")]
+    assert lines, stdout[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("readme")
+    (d / SCRIPT_NAME).write_text(SCRIPT, encoding="utf-8")
+    return d
+
+
+def _run(argv: List[str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_the_readme_names_its_script_and_every_command_uses_it():
+    assert SCRIPT_NAME == "train_mine.py"
+    assert len(COMMANDS) >= 5
+    assert all(SCRIPT_NAME in c or c.startswith("python -m hpcadapt.plot") for c in COMMANDS)
+
+
+@pytest.mark.slow
+def test_plain_and_adaptive_runs_and_the_plot(folder):
+    plain = _run(_argv(COMMANDS[0]), folder)  # the first: plain data-parallel
+    s = _summary(plain.stdout)
+    assert s["epochs"] == 3 and s["world_size"] == 2 and s["final_test_accuracy"] > 0.3
+    adaptive = _run(_command("--policy gns-batch"), folder)
+    assert "policies: gns-batch" in adaptive.stderr
+    rows = [json.loads(l) for l in (folder / "run.jsonl").read_text().splitlines()]
+    assert sum(1 for r in rows if r["event"] == "step") == _summary(adaptive.stdout)["steps"]
+    _run(_command("hpcadapt.plot"), folder)
+    assert (folder / "run.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_elastic_command_grows_and_shrinks(folder):
+    """The README's command, trained until told (a joiner needs seconds to start however
+    fast the steps are): a stop file ends it once both resizes are done."""
+    stop, metrics = folder / "stop-elastic", folder / "elastic.jsonl"
+    argv = _command("--max-workers 3") + ["--epochs", "1000", "--stop-file", str(stop),
+                                          "--metrics-file", str(metrics), "--check-replicas"]
+    with open(folder / "elastic.err", "w") as err:
+        proc = subprocess.Popen(argv, cwd=folder, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 600
+        resizes: list = []
+        while len(resizes) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            text = metrics.read_text() if metrics.exists() else ""
+            resizes = [json.loads(l) for l in text[:text.rfind("\n") + 1].splitlines()
+                       if '"event": "resize"' in l]
+            time.sleep(0.05)
+        stop.touch()
+        rc = proc.wait(timeout=600)
+    log = (folder / "elastic.err").read_text()
+    assert rc == 0, log[-4000:]
+    assert [(r["old_size"], r["new_size"], r["ok"], r["replicas_identical"])
+            for r in resizes] == [(2, 3, True, True), (3, 2, True, True)], log[-4000:]
+    assert "joined as rank 2 of 3" in log
+
+
+@pytest.mark.slow
+def test_the_checkpoint_command_stops_on_usr1_and_resumes(folder):
+    """USR1 to mpiexec (MPICH's forwards it to the ranks) once the run reports step 5; the
+    same command again resumes and, trained to the end, removes its checkpoint."""
+    metrics = folder / "ckpt.jsonl"
+    argv = _command("--checkpoint") + ["--epochs", "1000"]
+    with open(folder / "ckpt.out", "w") as out, open(folder / "ckpt.err", "w") as err:
+        proc = subprocess.Popen(argv + ["--metrics-file", str(metrics)], cwd=folder,
+                                stdout=out, stderr=err)
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                metrics.exists() and metrics.read_text().count('"event": "step"') >= 5):
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGUSR1)
+        rc = proc.wait(timeout=600)
+    assert rc == 75, (folder / "ckpt.err").read_text()[-4000:]
+    stopped = _summary((folder / "ckpt.out").read_text())
+    assert stopped["stopped"] == "SIGUSR1" and (folder / "state.ckpt").exists()
+    again = _run(argv + ["--max-steps", str(stopped["steps"] + 20)], folder)
+    assert f"resumed from state.ckpt at epoch {stopped['epochs']}, step {stopped['steps']}" \
+        in again.stderr
+    assert _summary(again.stdout)["steps"] == stopped["steps"] + 20
+    assert not (folder / "state.ckpt").exists()
