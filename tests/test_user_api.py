@@ -207,3 +207,40 @@ def test_a_policy_flag_without_its_policy_is_named():
     proc = run_mpi(1, [str(SCRIPTS / "bad_input.py"), "--case", "ok", "--gns-batch-max", "64"],
                    timeout=300)
     assert "--gns-batch-max given without --policy gns-batch" in proc.stderr
+
+
+def _fine_print(tmp_path, name, flags):
+    out = tmp_path / f"{name}.json"
+    run_mpi(2, [str(SCRIPTS / "fine_print.py"), "--out", str(out), "--no-progress"] + flags,
+            timeout=300)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_accumulation_under_a_memory_cap_matches_the_whole_batch(tmp_path, workers):
+    """--max-local-batch 3 cuts each rank's share of 8 into micro-batches of at most 3 whose
+    gradients accumulate before one allreduce: the training is the uncapped one (to float
+    rounding). The last global batch of each epoch has one sample, so rank 1's share is
+    empty: its collate function (which raises on an empty list) is never called with one."""
+    whole = _fine_print(tmp_path, "whole", ["--workers", str(workers)])
+    capped = _fine_print(tmp_path, "capped", ["--workers", str(workers), "--max-local-batch", "3"])
+    assert whole["summary"]["steps"] == capped["summary"]["steps"] == 2 * 7
+    for a, b in zip(whole["params"], capped["params"]):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+def test_learning_rate_rules_move_every_param_group_along_the_ramp(tmp_path):
+    """The batch doubles after step 3 with the linear rule and a 4-step ramp: both groups'
+    rates double along Lin et al.'s gamma_t = 1 + (t - t0)/T (k - 1) (their momentum
+    compensation: the velocity is not rescaled, the rate climbs), keeping their 2:1 ratio;
+    SGD's momentum value itself stays as the user set it."""
+    run = _fine_print(tmp_path, "rule", ["--policy", "schedule", "--schedule-batch", "0:16,3:32",
+                                         "--lr-rule", "linear", "--lr-ramp-steps", "4"])
+    steps = run["steps"]
+    assert [s["batch"] for s in steps[:3]] == [16, 16, 16] and steps[-1]["batch"] == 32
+    for s in steps:
+        assert s["lrs"][0] == pytest.approx(2 * s["lrs"][1])
+    assert steps[0]["lrs"][0] == pytest.approx(0.1) and steps[-1]["lrs"][0] == pytest.approx(0.2)
+    ramp = [s["lrs"][0] for s in steps[3:8]]  # the steps at batch 32: gamma 1, 1.25, ... 2
+    assert ramp == pytest.approx([0.1, 0.125, 0.15, 0.175, 0.2])
+    assert all(s["momentum"] == [0.9, 0.9] for s in steps)
