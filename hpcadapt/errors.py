@@ -7,11 +7,22 @@ __all__ = [
     "MembershipError",
     "AllocationError",
     "PolicyError",
+    "on_every_rank",
 ]
 
 
 class HpcAdaptError(Exception):
     """Base of every error hpcadapt raises on purpose."""
+
+    #: True when every rank raises it at the same point (rank 0's verdict was shared), so
+    #: the job can end cleanly with one message instead of aborting the other ranks.
+    all_ranks = False
+
+
+def on_every_rank(error: HpcAdaptError) -> HpcAdaptError:
+    """Mark ``error`` as raised by every rank at the same point; returns it."""
+    error.all_ranks = True
+    return error
 
 
 class ConfigurationError(HpcAdaptError, ValueError):

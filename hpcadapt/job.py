@@ -28,7 +28,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from . import config
 from . import runtime as world_mod
 from .collectives import ReduceOp, communicator
 from .engine import PolicyEngine
-from .errors import ConfigurationError, HpcAdaptError
+from .errors import ConfigurationError, HpcAdaptError, on_every_rank
 from .loader import ElasticDataLoader, WalkKey, split_micro
 from .metrics import DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord
 from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
@@ -141,31 +141,44 @@ def joiner_argv() -> List[str]:
 
 
 def _install_abort_on_exception() -> None:
-    """An uncaught exception on any rank ends the whole job at once, with that rank's
-    traceback, instead of leaving the other ranks waiting in a collective forever."""
+    """An uncaught exception on any rank ends the whole job at once, instead of leaving the
+    other ranks waiting in a collective forever: hpcadapt's own errors as one line (exit 2),
+    anything else with that rank's traceback (exit 1). An error every rank raised together
+    (rank 0's verdict, shared) ends the job cleanly, printed once; any other aborts all
+    ranks."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
         if issubclass(kind, (KeyboardInterrupt, SystemExit)):
             return previous(kind, value, tb)
-        rank, size = "?", 1
-        comm = None
+        rank, size, comm = "?", 1, None
         if world_mod.is_initialized():
             w = world_mod.world()
-            rank, size = w.rank, w.size
-            comm = w._comm
-        text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-        sys.stderr.write(f"[rank {rank}] hpcadapt: uncaught exception on rank {rank}; "
-                         f"aborting all {size} ranks\n")
+            rank, size, comm = w.rank, w.size, w._comm
+        ours = isinstance(value, HpcAdaptError)
+        together = ours and value.all_ranks
+        if ours:
+            if not together or rank in (0, "?"):
+                sys.stderr.write(f"[rank {rank}] hpcadapt: {value}\n")
+        else:
+            text = "".join(traceback.format_exception(kind, value, tb))
+            sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+        if not together:
+            sys.stderr.write(f"[rank {rank}] hpcadapt: {'error' if ours else 'uncaught exception'}"
+                             f" on rank {rank}; aborting all {size} ranks\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        code = 2 if ours else 1
         from mpi4py import MPI
 
         try:
-            (comm if comm is not None else MPI.COMM_WORLD).Abort(1)
+            if together:
+                world_mod.shutdown()
+                MPI.Finalize()
+            else:
+                (comm if comm is not None else MPI.COMM_WORLD).Abort(code)
         finally:
-            os._exit(1)
+            os._exit(code)
 
     sys.excepthook = hook
 
@@ -182,6 +195,7 @@ class Job:
     def __init__(self, args: Optional[argparse.Namespace] = None, **options: Any):
         from .logs import setup_logging
 
+        _install_abort_on_exception()
         self.options = JobOptions.from_args(args, **options) if args is not None \
             else JobOptions(**options)
         o = self.options
@@ -194,7 +208,6 @@ class Job:
             unblock_stop_signals()
         self.world = world_mod.init()
         setup_logging(lambda: self.world.rank)
-        _install_abort_on_exception()
         from hpcadapt.policies.lr_rules import LRRule
 
         self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
@@ -328,7 +341,7 @@ class Job:
         verdict = broadcast_object_state({"error": error} if self.world.rank == 0 else None,
                                          world=self.world)
         if verdict["error"]:
-            raise ConfigurationError(verdict["error"])
+            raise on_every_rank(ConfigurationError(verdict["error"]))
 
     def _check_checkpoint_folder(self, path: str) -> None:
         """Refuse at start (not when the signal comes) a checkpoint that cannot be written."""
@@ -928,7 +941,7 @@ class Job:
         verdict = broadcast_object_state({"error": error, "found": found}
                                          if self.world.rank == 0 else None, world=self.world)
         if verdict["error"]:
-            raise ConfigurationError(verdict["error"])
+            raise on_every_rank(ConfigurationError(verdict["error"]))
         if not verdict["found"]:
             return False
         self._sync_state()

@@ -5,8 +5,11 @@ from rank 0 to other ranks after a resize or a resume."""
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import logging
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -17,11 +20,15 @@ from torch import nn
 
 from .errors import ConfigurationError
 
-__all__ = ["HyperParams", "UserState", "TrainingState", "CHECKPOINT_FORMAT"]
+__all__ = ["HyperParams", "UserState", "TrainingState", "CHECKPOINT_FORMAT", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3
+# A checkpoint file: one line of JSON (format, payload length and BLAKE2b digest), then the
+# payload that torch.save wrote. The digest covers every tensor and value in it.
+_MAGIC = "hpcadapt-checkpoint"
+_HEADER_MAX = 4096
 
 
 @dataclass
@@ -134,6 +141,9 @@ class TrainingState:
         self.last_accuracy = float("nan")
         # The reference rate the param groups hold now (they move by lr / applied_lr).
         self.applied_lr = hyper.lr
+        # The settings training started with: a resume must start from the same ones.
+        self.origin = {"lr": hyper.lr, "batch_size": hyper.batch_size,
+                       "momentum": hyper.momentum}
 
     # -- plain part ------------------------------------------------------------------------
     def meta(self, cluster_version: int) -> Dict[str, Any]:
@@ -146,7 +156,7 @@ class TrainingState:
                 "accuracy": self.last_accuracy, "applied_lr": self.applied_lr,
                 # Policies decide on rank 0 only; their state matters for a checkpoint.
                 "policies": self.policies.state_dict() if self.policies is not None else {},
-                "user": self.user.state_dict()}
+                "user": self.user.state_dict(), "origin": dict(self.origin)}
 
     def load_meta(self, meta: Mapping[str, Any]) -> None:
         self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
@@ -161,6 +171,8 @@ class TrainingState:
         if self.policies is not None and meta.get("policies"):
             self.policies.load_state_dict(meta["policies"])
         self.user.load_state_dict(meta["user"])
+        if meta.get("origin"):
+            self.origin = dict(meta["origin"])
 
     # -- sync ------------------------------------------------------------------------------
     def broadcast(self, view, *, is_root: bool) -> int:
@@ -179,43 +191,81 @@ class TrainingState:
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: str, *, cluster_version: int, identity: Mapping[str, Any]) -> None:
-        """Write the whole state to ``path`` atomically: a private temporary file in the
-        same folder (never a predictable name that a planted symlink could redirect), then
-        a rename."""
+        """Write the whole state to ``path`` atomically and durably: a private temporary file
+        created exclusively in the same folder (never a predictable name that a planted
+        symlink could redirect), fsync, a rename over ``path`` (a symlink there is replaced,
+        not followed), then fsync of the folder. The header's digest covers the payload."""
         blob = {"format": CHECKPOINT_FORMAT, "identity": dict(identity),
                 "meta": self.meta(cluster_version), "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict()}
+        buf = io.BytesIO()
+        torch.save(blob, buf)
+        payload = buf.getvalue()
+        header = json.dumps({"magic": _MAGIC, "format": CHECKPOINT_FORMAT,
+                             "length": len(payload),
+                             "blake2b": hashlib.blake2b(payload).hexdigest()}).encode() + b"\n"
         folder = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(prefix=".hpcadapt-ckpt-", dir=folder)
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save(blob, f)
+                f.write(header)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def load(self, path: str, *, identity: Mapping[str, Any]) -> None:
-        """Read a checkpoint (tensors and plain data only: ``weights_only``); ValueError
-        saying what differs when it is not this run's."""
-        try:
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ValueError(f"it is not a readable hpcadapt checkpoint ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-        if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError("it is not an hpcadapt checkpoint of format "
-                             f"{CHECKPOINT_FORMAT}")
+        """Read and check a checkpoint, then load it. ValueError saying what is wrong when
+        it is damaged (digest), not an hpcadapt checkpoint, not this run's (identity, model,
+        the settings training started with) or not plausible (cursor, step, non-finite
+        weights); nothing is loaded then. Tensors and plain data only (``weights_only``)."""
+        blob = read_checkpoint(path)
         theirs = blob.get("identity", {})
         for key, value in identity.items():
             if key in theirs and theirs[key] != value:
                 raise ValueError(f"it was written for {key}={theirs[key]!r}, this run has "
                                  f"{key}={value!r}")
         self._check_model(blob["model"])
+        self._check_meta(blob["meta"])
         self.model.load_state_dict(blob["model"])
         self.optimizer.load_state_dict(blob["optimizer"])
         self.load_meta(blob["meta"])
+
+    def _check_meta(self, meta: Mapping[str, Any]) -> None:
+        try:
+            sampler, hyper = meta["sampler"], meta["hyper"]
+            step, epoch, cursor = int(meta["step"]), int(meta["epoch"]), int(sampler["cursor"])
+            total = int(sampler["num_samples"])
+            origin = meta.get("origin") or {}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"its training state is incomplete ({exc!r})") from None
+        if total != self.sampler.num_samples:
+            raise ValueError(f"it was written for a dataset of {total} samples, this one has "
+                             f"{self.sampler.num_samples}")
+        if not (0 <= cursor <= total and step >= 0 and epoch >= 0):
+            raise ValueError(f"its progress is impossible (epoch {epoch}, step {step}, cursor "
+                             f"{cursor} of {total} samples)")
+        for key in ("lr", "base_lr"):
+            if not (isinstance(hyper.get(key), (int, float)) and math.isfinite(hyper[key])
+                    and hyper[key] > 0):
+                raise ValueError(f"its {key} is {hyper.get(key)!r}")
+        if not (isinstance(hyper.get("batch_size"), int) and hyper["batch_size"] >= 1):
+            raise ValueError(f"its batch size is {hyper.get('batch_size')!r}")
+        for key, mine in self.origin.items():
+            if key in origin and not math.isclose(float(origin[key]), float(mine),
+                                                  rel_tol=1e-12):
+                raise ValueError(f"training was started with {key} {origin[key]:g} there and "
+                                 f"with {mine:g} here: resume with the settings it started "
+                                 f"with, or remove the checkpoint to start afresh")
 
     def _check_model(self, saved: Mapping[str, Any]) -> None:
         mine = self.model.state_dict()
@@ -226,6 +276,38 @@ class TrainingState:
             if tuple(saved[name].shape) != tuple(mine[name].shape):
                 raise ValueError(f"{name!r} has shape {tuple(saved[name].shape)} there and "
                                  f"{tuple(mine[name].shape)} in this model")
+            if saved[name].is_floating_point() and not bool(torch.isfinite(saved[name]).all()):
+                raise ValueError(f"its {name!r} holds NaN or infinite values")
         extra = [n for n in saved if n not in mine]
         if extra:
             raise ValueError(f"it holds {extra[0]!r}, which this model does not have")
+
+
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """The checked content of a checkpoint file; ValueError naming what is wrong (not one,
+    truncated, damaged, another format)."""
+    with open(path, "rb") as f:
+        head = f.readline(_HEADER_MAX)
+        try:
+            header = json.loads(head)
+            ok = isinstance(header, dict) and header.get("magic") == _MAGIC
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("it is not an hpcadapt checkpoint (no header)")
+        if header.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"it has format {header.get('format')!r}; this hpcadapt reads "
+                             f"format {CHECKPOINT_FORMAT}")
+        payload = f.read()
+    if len(payload) != header.get("length"):
+        raise ValueError(f"it is truncated or padded ({len(payload)} bytes of payload, the "
+                         f"header says {header.get('length')})")
+    if hashlib.blake2b(payload).hexdigest() != header.get("blake2b"):
+        raise ValueError("it is damaged: its content does not match its checksum")
+    try:
+        blob = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"its payload cannot be read ({type(exc).__name__})") from None
+    if not isinstance(blob, dict) or not {"meta", "model", "optimizer"} <= set(blob):
+        raise ValueError("its payload is not a training state")
+    return blob

@@ -12,7 +12,6 @@ if __name__ == "__main__":
     block_stop_signals()
 
 import argparse
-import logging
 import sys
 from typing import List, Optional
 
@@ -20,12 +19,9 @@ from hpcadapt.policies import argparse_type, params
 
 from .args import add_arguments, positive_int
 from .datasets import DATASETS
-from .errors import HpcAdaptError
 from .models import MODELS
 
 __all__ = ["build_parser", "main"]
-
-log = logging.getLogger(__name__)
 
 _positive_float = argparse_type(params.positive_float)
 _momentum = argparse_type(params.momentum)
@@ -101,19 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Exit codes: 0 done, 2 bad input (one line), 75 stopped with the state saved (requeue),
+    1 anything else (with the failing rank's traceback; every rank ends)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .errors import ConfigurationError
     from .trainer import run_builtin
 
-    try:
-        run_builtin(args)
-    except ConfigurationError as exc:
-        log.error("%s", exc)
-        return 2
-    except HpcAdaptError as exc:
-        log.error("%s", exc)
-        return 2
+    # Errors end every rank through the job's exception hook (see hpcadapt.job).
+    run_builtin(args)
     return 0
 
 

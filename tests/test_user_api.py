@@ -244,3 +244,13 @@ def test_learning_rate_rules_move_every_param_group_along_the_ramp(tmp_path):
     ramp = [s["lrs"][0] for s in steps[3:8]]  # the steps at batch 32: gamma 1, 1.25, ... 2
     assert ramp == pytest.approx([0.1, 0.125, 0.15, 0.175, 0.2])
     assert all(s["momentum"] == [0.9, 0.9] for s in steps)
+
+
+@pytest.mark.parametrize("content", [b"\x00garbage" * 100, b"[1, 2, 3]\n"])
+def test_a_foreign_checkpoint_is_refused_on_every_rank_without_a_hang(tmp_path, content):
+    ckpt = tmp_path / "c.ckpt"
+    ckpt.write_bytes(content)
+    proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", "ok", "--checkpoint", str(ckpt)],
+                   check=False, timeout=300)
+    assert proc.returncode != 0
+    assert f"cannot resume from {ckpt}: it is not an hpcadapt checkpoint (no header)" in proc.stderr
