@@ -1,4 +1,4 @@
-# Quick start: `make demo` trains on 2 local MPI ranks; `make test` runs the whole suite.
+# Quick start: `make demo` trains adaptively on 2 local MPI ranks and plots it to demo.png; `make test` runs the whole suite.
 # Both set up a local .venv on first use (CPU torch 2.13.0, mpi4py, the PyPI MPICH wheel).
 # On a cluster with its own MPI, use `make setup EXTRAS=test,plot` (no PyPI MPICH) instead.
 
@@ -23,9 +23,25 @@ $(STAMP): setup.py pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
+# The demo: a 1-D CNN on MNIST-1D (10,000 samples, generated offline and cached) on 2 local
+# MPI ranks, adaptively: gns-batch grows the global batch from 16 while the measured gradient
+# noise scale exceeds it (up to 256), the sqrt rule moves the learning rate with it, and
+# resize-schedule grows the job to 3 workers at step 1 (the joiner starts while the others
+# train) and shrinks it back to 2 after 200 steps at 3. Then the plot of what happened.
+DEMO_FLAGS := --model cnn --dataset mnist1d --samples 10000 --epochs 30 \
+	--batch-size 16 --lr 0.02 --threads 1 --no-progress \
+	--policy gns-batch --gns-batch-max 256 --gns-batch-warmup 10 --gns-batch-interval 5 \
+	--gns-batch-cooldown 40 --lr-rule sqrt \
+	--max-workers 3 --policy resize-schedule --resize-schedule-steps 1:3,2:2 \
+	--resize-schedule-hold 200
+
 demo: $(STAMP)
-	$(MPIEXEC) -n 2 $(PY) -m hpcadapt.train --model mlp --dataset digits --epochs 5 \
-		--metrics-file demo-metrics.jsonl
+	rm -f demo-metrics.jsonl demo.png
+	$(MPIEXEC) -n 2 $(PY) -m hpcadapt.train $(DEMO_FLAGS) --metrics-file demo-metrics.jsonl
+	$(PY) -m hpcadapt.plot demo-metrics.jsonl -o demo.png
+	@echo "demo: open demo.png for loss and accuracy against steps and wall time, the workers"
+	@echo "      (resizes in green; red dashed if one failed), the batch size and learning rate"
+	@echo "      with each policy's decisions, the gradient noise scale and the throughput."
 
 test: $(STAMP) test-unit test-mpi
 
@@ -40,4 +56,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py all --json bench-results.json
 
 clean:
-	rm -rf $(VENV) *.egg-info demo-metrics.jsonl
+	rm -rf $(VENV) *.egg-info demo-metrics.jsonl demo.png

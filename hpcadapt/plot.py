@@ -1,25 +1,45 @@
-"""``python -m hpcadapt.plot METRICS.jsonl [MORE.jsonl ...] -o OUT.png``: loss, accuracy,
-batch size, learning rate, noise scale and throughput against steps and wall time, with
-decisions marked as vertical lines. Several files are drawn on the same axes."""
+"""``python -m hpcadapt.plot METRICS.jsonl [MORE.jsonl ...] -o OUT.png``: what an adaptive run
+did, from its metrics file (``--metrics-file``).
+
+One row per quantity, against steps (left) and wall time (right): training loss, test
+accuracy, workers (world size), global batch size, learning rate, gradient noise scale (with
+the batch size beside it) and throughput. Resizes are vertical lines on every panel, green
+when done and red dashed when not (``"ok": false``), labelled ``2->3`` on the workers panel.
+Policy decisions are markers on the panel of what they changed (batch size, learning rate,
+workers), labelled with the new value, one marker shape and legend entry per policy. A
+panel whose series has no data in any file (the noise scale without a monitor) is left out.
+Several files (``label=path`` names them) are drawn on the same axes, one colour each."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["load_metrics", "plot_runs", "main"]
+__all__ = ["load_metrics", "build_figure", "plot_runs", "summarize", "PANELS", "main"]
 
-PANELS = (
-    ("loss", "step", "loss"),
-    ("test accuracy", "epoch", "test_accuracy"),
-    ("global batch size", "step", "batch_size"),
-    ("learning rate", "step", "lr"),
-    ("gradient noise scale", "step", "noise_scale"),
-    ("samples/s", "step", "samples_per_s"),
+# key, title, event the values come from, log scale
+PANELS: Tuple[Tuple[str, str, str, bool], ...] = (
+    ("loss", "training loss (global mean)", "step", False),
+    ("test_accuracy", "test accuracy", "epoch", False),
+    ("world_size", "workers (world size)", "step", False),
+    ("batch_size", "global batch size", "step", True),
+    ("lr", "learning rate", "step", True),
+    ("noise_scale", "gradient noise scale (dashed: global batch)", "step", True),
+    ("samples_per_s", "throughput (samples/s)", "step", False),
 )
+# which panel a decision's change is drawn on
+_CHANGE_PANEL = {"world_size": "world_size", "batch_size": "batch_size", "lr": "lr",
+                 "momentum": "lr"}
+# run colours: no green or red, which mark resizes
+_RUN_COLOURS = ("C0", "C1", "C4", "C5", "C9", "C6", "C8", "C7")
+_POLICY_MARKERS = ("v", "^", "s", "D", "P", "X", "o", "*")
+RESIZE_OK = {"color": "tab:green", "linestyle": "-"}
+RESIZE_FAILED = {"color": "tab:red", "linestyle": "--"}
+_MAX_LABELS = 12  # value labels per policy and panel; more are thinned out
 
 
 def load_metrics(path: str) -> List[Dict]:
@@ -30,74 +50,294 @@ def load_metrics(path: str) -> List[Dict]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{i}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{i}: not a JSON object")
+            rows.append(row)
     return rows
 
 
-def _series(rows: List[Dict], event: str, key: str, x: str):
+def _x(row: Dict, axis: str) -> Optional[float]:
+    v = row.get("step") if axis == "step" else row.get("time_s")
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _value(row: Dict, key: str) -> Optional[float]:
+    v = row.get(key)
+    if v is None:
+        v = (row.get("monitors") or {}).get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _series(rows: List[Dict], event: str, key: str, axis: str) -> Tuple[List[float], List[float]]:
     xs, ys = [], []
     for r in rows:
         if r.get("event") != event:
             continue
-        v = r.get(key, r.get("monitors", {}).get(key))
-        if v is None:
+        x, v = _x(r, axis), _value(r, key)
+        if x is None or v is None:
             continue
-        xs.append(r["step"] if x == "step" else r["time_s"])
+        xs.append(x)
         ys.append(v)
     return xs, ys
 
 
-def plot_runs(runs: Dict[str, List[Dict]], out: str) -> None:
+def _smooth(ys: List[float], window: int) -> List[float]:
+    """Trailing moving average (the first points average what there is)."""
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y
+        if i >= window:
+            total -= ys[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _fmt(key: str, value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)
+    if key in ("world_size", "batch_size"):
+        return f"{int(value)}"
+    return f"{value:.3g}"
+
+
+def _decision_label(row: Dict, panel: str) -> str:
+    """What a decision changed on ``panel``, e.g. ``batch 24`` or ``lr 0.0245``."""
+    names = {"world_size": "workers", "batch_size": "batch", "lr": "lr", "momentum": "momentum"}
+    parts = [f"{names.get(k, k)} {_fmt(k, v)}" for k, v in (row.get("changes") or {}).items()
+             if _CHANGE_PANEL.get(k, "loss") == panel]
+    return ", ".join(parts)
+
+
+def _decision_y(row: Dict, panel: str) -> Optional[float]:
+    changes = row.get("changes") or {}
+    for k, v in changes.items():
+        if k == panel and isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    # momentum on the lr panel, or an unknown change on the loss panel: the current value
+    return _value(row, "lr" if panel == "lr" else panel)
+
+
+def _decision_panels(row: Dict) -> List[str]:
+    panels = []
+    for k in (row.get("changes") or {}):
+        p = _CHANGE_PANEL.get(k, "loss")
+        if p not in panels:
+            panels.append(p)
+    return panels or ["loss"]
+
+
+def present_panels(runs: Dict[str, List[Dict]]) -> List[Tuple[str, str, str, bool]]:
+    """The panels with data in at least one run, in ``PANELS`` order."""
+    out = []
+    for panel in PANELS:
+        key, _, event, _ = panel
+        if any(_series(rows, event, key, "step")[0] for rows in runs.values()):
+            out.append(panel)
+    return out
+
+
+def summarize(label: str, rows: List[Dict]) -> str:
+    """One line about a run: epochs, steps, accuracy, batch and worker path, resizes."""
+    steps = [r for r in rows if r.get("event") == "step"]
+    epochs = [r for r in rows if r.get("event") == "epoch"]
+    resizes = [r for r in rows if r.get("event") == "resize"]
+    decisions = [r for r in rows if r.get("event") == "decision"]
+    parts = [f"{label}: {len(epochs)} epoch(s), {len(steps)} step(s)"]
+    acc = [_value(r, "test_accuracy") for r in epochs]
+    acc = [a for a in acc if a is not None]
+    if acc:
+        parts.append(f"final test accuracy {acc[-1]:.3f}")
+
+    def path(key: str) -> List[int]:
+        seq: List[int] = []
+        for r in steps:
+            v = _value(r, key)
+            if v is not None and (not seq or seq[-1] != int(v)):
+                seq.append(int(v))
+        return seq
+
+    batches, sizes = path("batch_size"), path("world_size")
+    if batches:
+        parts.append("batch " + (f"{batches[0]} -> {batches[-1]}" if len(batches) > 1
+                                 else f"{batches[0]}"))
+    if sizes:
+        parts.append("workers " + " -> ".join(str(s) for s in sizes))
+    failed = sum(1 for r in resizes if r.get("ok") is False)
+    parts.append(f"{len(resizes)} resize(s)" + (f" ({failed} NOT done)" if failed else ""))
+    parts.append(f"{len(decisions)} decision(s)")
+    return ", ".join(parts)
+
+
+def build_figure(runs: Dict[str, List[Dict]]):
+    """The figure for ``runs`` (label -> metrics rows), not yet saved. Raises ValueError
+    when no run has any series to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(len(PANELS), 2, figsize=(12, 3 * len(PANELS)), squeeze=False)
-    for col, x in enumerate(("step", "time")):
-        for row, (title, _, key) in enumerate(PANELS):
-            ax = axes[row][col]
-            for label, rows in runs.items():
-                event = "epoch" if key == "test_accuracy" else "step"
-                xs, ys = _series(rows, event, key, x)
-                if not xs:
-                    continue
-                style = "o-" if event == "epoch" else "-"
-                line, = ax.plot(xs, ys, style, label=label, linewidth=1, markersize=3)
-                for r in rows:
-                    if r.get("event") in ("decision", "resize"):
-                        ax.axvline(r["step"] if x == "step" else r["time_s"],
-                                   color=line.get_color(), alpha=0.25, linestyle="--")
-            if key in ("batch_size", "noise_scale", "lr") and ax.lines:
+    panels = present_panels(runs)
+    if not panels:
+        raise ValueError("no step or epoch rows with values to plot (is this a metrics file "
+                         "written by --metrics-file?)")
+    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 2.7 * len(panels) + 0.8),
+                             squeeze=False)
+    policies: List[str] = []
+    for rows in runs.values():
+        for r in rows:
+            if r.get("event") == "decision" and r.get("policy") not in policies:
+                policies.append(str(r.get("policy")))
+    marker_of = {p: _POLICY_MARKERS[i % len(_POLICY_MARKERS)] for i, p in enumerate(policies)}
+    colour_of = {label: _RUN_COLOURS[i % len(_RUN_COLOURS)] for i, label in enumerate(runs)}
+
+    for col, axis in enumerate(("step", "time")):
+        for row_i, (key, title, event, log_y) in enumerate(panels):
+            ax = axes[row_i][col]
+            ax.set_gid(key)
+            if log_y:
                 ax.set_yscale("log")
+            handles: Dict[str, Any] = {}
+            for label, rows in runs.items():
+                colour = colour_of[label]
+                xs, ys = _series(rows, event, key, axis)
+                if xs:
+                    if key == "world_size":
+                        ax.step(xs, ys, where="post", color=colour, label=label, linewidth=1.5)
+                    elif event == "epoch":
+                        ax.plot(xs, ys, "o-", color=colour, label=label, linewidth=1,
+                                markersize=3)
+                    elif key in ("loss", "samples_per_s") and len(xs) > 60:
+                        ax.plot(xs, ys, "-", color=colour, alpha=0.25, linewidth=0.6)
+                        ax.plot(xs, _smooth(ys, max(5, len(xs) // 60)), "-", color=colour,
+                                label=label, linewidth=1.3)
+                    else:
+                        ax.plot(xs, ys, "-", color=colour, label=label, linewidth=1.2)
+                if key == "noise_scale" and xs:
+                    bx, by = _series(rows, "step", "batch_size", axis)
+                    ax.plot(bx, by, "--", color=colour, alpha=0.6, linewidth=1)
+                _draw_resizes(ax, rows, axis, key == "world_size", handles, Line2D)
+                _draw_decisions(ax, rows, axis, key, colour, marker_of, handles, Line2D)
+            if log_y:
+                _plain_log_ticks(ax, base=2 if key == "batch_size" else 10)
+            if key == "world_size":
+                ax.yaxis.get_major_locator().set_params(integer=True)
+                lo, hi = ax.get_ylim()
+                ax.set_ylim(max(0.0, lo - 0.3), hi + 0.6)  # room for the labels above
+            if key == "test_accuracy":
+                ax.set_ylim(top=min(1.02, max(ax.get_ylim()[1], 0.0) + 0.02))
             ax.set_title(title, fontsize=9)
-            ax.set_xlabel("step" if x == "step" else "wall time (s)", fontsize=8)
+            ax.set_xlabel("step" if axis == "step" else "wall time (s)", fontsize=8)
             ax.tick_params(labelsize=7)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+            ax.grid(alpha=0.2)
+            shown = list(handles.values())
+            if row_i == 0 and col == 0:
+                shown = ax.get_legend_handles_labels()[0] + shown
+            if shown:
+                ax.legend(handles=shown, fontsize=6.5, loc="best")
+    lines = [summarize(label, rows) for label, rows in runs.items()]
+    fig.suptitle("\n".join(lines), fontsize=8.5, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.012 * (len(lines) + 1)))
+    return fig
+
+
+def _plain_log_ticks(ax, base: int) -> None:
+    """Log axes labelled 16, 32, 64 or 0.02, 0.05 rather than 2x10^1."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    if base == 2:
+        ax.yaxis.set_major_locator(LogLocator(base=2))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.yaxis.set_minor_formatter(FuncFormatter(
+            lambda v, _: f"{v:g}" if str(f"{v:.0e}")[0] in "25" else ""))
+    ax.yaxis.set_major_formatter(plain)
+
+
+def _draw_resizes(ax, rows: List[Dict], axis: str, labelled: bool, handles: Dict, Line2D) -> None:
+    for i, r in enumerate(r for r in rows if r.get("event") == "resize"):
+        x = _x(r, axis)
+        if x is None:
+            continue
+        ok = r.get("ok") is not False
+        style = RESIZE_OK if ok else RESIZE_FAILED
+        ax.axvline(x, linewidth=1.2 if labelled else 0.8, alpha=0.9 if labelled else 0.45,
+                   gid="resize-ok" if ok else "resize-failed", **style)
+        if labelled:
+            text = f"{r.get('old_size', '?')}->{r.get('new_size', '?')}" + ("" if ok else " failed")
+            ax.annotate(text, xy=(x, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(2, -2 - 8 * (i % 2)), textcoords="offset points", fontsize=6.5,
+                        color=style["color"], va="top", gid="resize-label")
+            name = "resize done" if ok else "resize NOT done"
+            handles.setdefault(name, Line2D([], [], linewidth=1.2, label=name, **style))
+
+
+def _draw_decisions(ax, rows: List[Dict], axis: str, panel: str, colour: str,
+                    marker_of: Dict[str, str], handles: Dict, Line2D) -> None:
+    mine = [r for r in rows if r.get("event") == "decision" and panel in _decision_panels(r)]
+    by_policy: Dict[str, List[Dict]] = {}
+    for r in mine:
+        by_policy.setdefault(str(r.get("policy")), []).append(r)
+    for policy, found in by_policy.items():
+        every = max(1, math.ceil(len(found) / _MAX_LABELS))
+        marker = marker_of.get(policy, "o")
+        for i, r in enumerate(found):
+            x, y = _x(r, axis), _decision_y(r, panel)
+            if x is None or y is None or (ax.get_yscale() == "log" and y <= 0):
+                continue
+            ax.plot([x], [y], marker=marker, linestyle="none", markersize=5,
+                    markerfacecolor="white", markeredgecolor=colour, markeredgewidth=1.2,
+                    gid=f"decision:{policy}")
+            if i % every == 0:
+                ax.annotate(_decision_label(r, panel), xy=(x, y), xytext=(3, 3),
+                            textcoords="offset points", fontsize=6, color="0.25",
+                            gid=f"decision-label:{policy}")
+        name = f"decision: {policy}"
+        handles.setdefault(name, Line2D([], [], marker=marker, linestyle="none",
+                                        markerfacecolor="white", markeredgecolor="0.2",
+                                        label=name))
+
+
+def plot_runs(runs: Dict[str, List[Dict]], out: str) -> None:
+    """Draw ``runs`` (label -> metrics rows) and write the figure to ``out`` (PNG, SVG or
+    PDF by its extension)."""
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(runs)
+    try:
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcadapt.plot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("metrics", nargs="+", help="JSON Lines metrics files (label=path allowed)")
-    ap.add_argument("-o", "--output", required=True, help="PNG file to write")
+    ap.add_argument("-o", "--output", required=True, help="image file to write (.png, .svg, .pdf)")
     args = ap.parse_args(argv)
     runs = {}
     for item in args.metrics:
         label, sep, path = item.partition("=")
-        if not sep:
+        if not sep or not label:
             label, path = os.path.basename(item), item
         try:
             runs[label] = load_metrics(path)
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
-    plot_runs(runs, args.output)
-    print(args.output)
+    try:
+        plot_runs(runs, args.output)
+    except ValueError as exc:
+        ap.error(str(exc))
+    for label, rows in runs.items():
+        print(summarize(label, rows))
+    print(f"plot written to {os.path.abspath(args.output)}")
     return 0
 
 
