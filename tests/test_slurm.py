@@ -5,13 +5,14 @@ when none is up and stops afterwards by its recorded PIDs."""
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -140,10 +141,79 @@ def job_output(folder: Path, job: str) -> str:
     return (folder / f"hpcadapt-train-{job}.out").read_text(encoding="utf-8")
 
 
+def output_so_far(folder: Path, job: str) -> str:
+    """The job's output file as it stands ("" before the job has written it)."""
+    try:
+        return job_output(folder, job)
+    except FileNotFoundError:
+        return ""
+
+
 def summary_of(output: str) -> dict:
     lines = [l for l in output.splitlines() if l.startswith("{\"final_test_accuracy\"")]
     assert lines, output[-3000:]
     return json.loads(lines[-1])
+
+
+# Training runs until the test has seen what it is about, then ends by its stop file
+# (--stop-file: rank 0 looks at every step; the job ends cleanly with exit 0 and its summary).
+# No test relies on the training lasting "long enough" on this machine.
+UNTIL_STOPPED = ["--epochs", "100000"]
+
+
+def records(path: Path, event: str) -> list:
+    """The metrics file's records of one kind, as far as rank 0 has written them."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # the line being written
+            continue
+        if row.get("event") == event:
+            rows.append(row)
+    return rows
+
+
+def epochs_logged(metrics: Path) -> int:
+    """How many epochs the metrics show complete (the highest epoch record, plus one)."""
+    return max((r["epoch"] + 1 for r in records(metrics, "epoch")), default=0)
+
+
+def wait_for(predicate, what: str, job: str, folder: Path, timeout: float = 600):
+    """Wait for an event of the job (see watch.wait_for); fail with what was awaited and the
+    end of the job's output if the job ends first or the deadline passes."""
+    from hpcadapt.slurm.testcluster.watch import WaitFailed, wait_for as wait
+
+    try:
+        return wait(predicate, what, job, timeout)
+    except WaitFailed as exc:
+        pytest.fail(f"{exc}\n--- end of the job's output ---\n"
+                    f"{output_so_far(folder, job)[-4000:]}", pytrace=False)
+
+
+@pytest.fixture
+def cancel_leftovers(cluster):
+    """Job ids a test appends here are cancelled at its end if they still run (a test that
+    fails must not leave a training of 100000 epochs behind), with their node requests."""
+    jobs: list = []
+    yield jobs
+    if not jobs:
+        return
+    try:
+        active = run_slurm(["squeue", "-h", "-o", "%i|%j"])  # pending and running jobs
+    except SlurmCommandError:
+        return
+    ids = []
+    for line in active.splitlines():
+        job_id, _, name = line.partition("|")
+        if any(job_id == j or name.endswith(f"-{j}") for j in jobs):  # hpcadapt-join-JOB, ...
+            ids.append(job_id)
+    if ids:
+        subprocess.run(["scancel"] + ids, capture_output=True, timeout=60)
 
 
 def samples_seen(folder: Path) -> collections.Counter:
@@ -156,10 +226,21 @@ def samples_seen(folder: Path) -> collections.Counter:
     return seen
 
 
-def assert_exactly_once(folder: Path, epochs: int, n_train: int = 1438) -> None:
+def assert_each_sample_at_most_once_per_epoch(folder: Path, last_epoch: int,
+                                              n_train: int = 1438) -> None:
+    """The sample log of a training ended by its stop file (or its last signal): epochs
+    0 .. last_epoch, every sample exactly once in each but the last, at most once in the last
+    (which the stop may have cut short)."""
     seen = samples_seen(folder)
-    assert len(seen) == epochs * n_train, len(seen)
-    assert set(seen.values()) == {1}, collections.Counter(seen.values())
+    assert seen, "no samples logged"
+    repeated = {k: n for k, n in seen.items() if n != 1}
+    assert not repeated, f"samples trained more than once in an epoch: {list(repeated)[:10]}"
+    per_epoch = collections.Counter(epoch for epoch, _ in seen)
+    assert sorted(per_epoch) == list(range(last_epoch + 1)), sorted(per_epoch)
+    incomplete = {e: n for e, n in per_epoch.items() if e < last_epoch and n != n_train}
+    assert not incomplete, f"epochs with samples missing (of {n_train}): {incomplete}"
+    assert 0 < per_epoch[last_epoch] <= n_train
+    assert all(0 <= i < n_train for _, i in seen)
 
 
 @pytest.mark.slurm
@@ -170,73 +251,136 @@ def test_allocation_is_read_from_the_job_environment(cluster):
     out = run_slurm(["srun", "-N2", "-n2", "--exclusive", "-t", "5", sys.executable, "-c", code],
                     timeout=120, env=job_env())
     rows = [json.loads(l) for l in out.splitlines() if l.startswith("[")]
-    assert len(rows) == 2 and rows[0] == rows[1]
-    job_id, partition, nodes, cpus, gpus, left = rows[0]
+    # The same allocation on both nodes; the time left is read at each task's own moment.
+    assert len(rows) == 2 and rows[0][:5] == rows[1][:5], rows
+    job_id, partition, nodes, cpus, gpus, _ = rows[0]
     assert job_id.isdigit() and partition == "debug" and gpus == 0
     assert len(nodes) == 2 and len(set(nodes)) == 2 and all(n.startswith("n") for n in nodes)
     assert cpus == [2, 2]
-    assert 200 < left <= 300
+    assert all(0 < row[5] <= 300 for row in rows), rows
 
 
-def hostnames(nodelist: str) -> set:
-    return set(show_hostnames(nodelist))
+@functools.lru_cache(maxsize=None)
+def hostnames(nodelist: str) -> frozenset:
+    return frozenset(show_hostnames(nodelist))
+
+
+def watched(watch, job: str) -> list:
+    """The watcher's observations so far that list the job."""
+    return [o for o in list(watch.observations) if job in o.jobs]
+
+
+def running(o, job: str) -> bool:
+    return o.jobs[job].state == "RUNNING"
+
+
+def growth(obs: list, job: str, mode: str, size: int):
+    """From the observations: the job's first node, the indices of the observations where it
+    held ``size`` nodes (companion jobs or its own), and the nodes added; None until then."""
+    companions = f"hpcadapt-join-{job}"
+    started = [o for o in obs if running(o, job)]
+    if not started:
+        return None
+    first_node = hostnames(started[0].jobs[job].nodes)
+    if mode == "companion":
+        grown = [i for i, o in enumerate(obs) if running(o, job) and
+                 len([j for j in o.named(companions) if j.state == "RUNNING"]) == size - 1]
+        if not grown:
+            return None
+        extra = set().union(*(hostnames(j.nodes) for j in obs[grown[0]].named(companions)
+                              if j.state == "RUNNING"))
+    else:
+        grown = [i for i, o in enumerate(obs) if running(o, job) and
+                 len(hostnames(o.jobs[job].nodes)) == size]
+        if not grown:
+            return None
+        extra = set(hostnames(obs[grown[0]].jobs[job].nodes)) - first_node
+    return first_node, grown, extra
+
+
+def released(obs: list, job: str, grown: list, extra: set) -> list:
+    """Observations after the grown ones where the training job still ran and every added
+    node was idle in sinfo."""
+    return [o for o in obs[grown[-1]:] if running(o, job) and
+            all(n in o.nodes and o.nodes[n].idle for n in extra)]
+
+
+def shrunk_to(metrics: Path, old: int, new: int) -> bool:
+    return any(r["old_size"] == old and r["new_size"] == new and r["ok"]
+               for r in records(metrics, "resize"))
+
+
+def a_resize_failed(metrics: Path) -> bool:
+    """A resize the metrics show not done: nothing more to wait for (the asserts say why)."""
+    return any(not r["ok"] for r in records(metrics, "resize"))
 
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("mode", ["companion", "expand"])
-def test_grow_to_three_nodes_and_back_releases_the_nodes_while_training_goes_on(cluster, tmp_path,
-                                                                               mode):
+def test_grow_to_three_nodes_and_back_releases_the_nodes_while_training_goes_on(
+        cluster, tmp_path, mode, cancel_leftovers):
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
-    args = ["--epochs", "40", "--policy", "resize-schedule", "--resize-schedule-steps", "5:3,10:1",
-            "--resize-schedule-hold", "150", "--metrics-file", "m.jsonl", "--sample-log",
-            "samples", "--check-replicas", "--slurm-grow", mode]
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    args = UNTIL_STOPPED + [
+        "--policy", "resize-schedule", "--resize-schedule-steps", "5:3,10:1",
+        "--resize-schedule-hold", "100", "--metrics-file", "m.jsonl", "--sample-log", "samples",
+        "--check-replicas", "--slurm-grow", mode, "--stop-file", str(stop)]
     with JobWatcher() as watch:
         job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=3), cwd=str(tmp_path))
-        final = watch.wait_until_gone(job, 600)
+        cancel_leftovers.append(job)
+        # The events this test is about: 1 -> 3 -> 1 done, with 4 epochs (digits is then
+        # past 95 % accuracy), and the added nodes seen idle while the training still runs.
+        wait_for(lambda: (shrunk_to(metrics, 3, 1) and epochs_logged(metrics) >= 4)
+                 or a_resize_failed(metrics),
+                 "resize 3 -> 1 done after 4 epochs in the metrics", job, tmp_path)
+
+        def nodes_back():
+            g = growth(watched(watch, job), job, mode, 3)
+            if g is None:  # never saw it grown: nothing to wait for (asserted below)
+                return True
+            return bool(released(watched(watch, job), job, g[1], g[2]))
+
+        wait_for(nodes_back, "the added nodes idle in sinfo while the training runs", job,
+                 tmp_path, timeout=180)
+        stop.touch()
+        final = watch.wait_until_gone(job, 300)
     out = job_output(tmp_path, job)
     assert final.state == "COMPLETED", out[-3000:]
-    obs = [o for o in watch.observations if job in o.jobs]
-    companions = f"hpcadapt-join-{job}"
-
-    def running(o):
-        return o.jobs[job].state == "RUNNING"
-
-    first_node = hostnames(next(o.jobs[job].nodes for o in obs if running(o)))
+    assert f"stop file {stop} found" in out
+    obs = watched(watch, job)
+    g = growth(obs, job, mode, 3)
+    assert g is not None, ("never saw two companion jobs running beside the training job"
+                           if mode == "companion" else
+                           "never saw the training job expanded to three nodes")
+    first_node, grown, extra_nodes = g
     assert len(first_node) == 1
+    companions = f"hpcadapt-join-{job}"
     if mode == "companion":
-        # Two companion jobs, one node each, beside the training job.
-        grown = [i for i, o in enumerate(obs) if running(o) and
-                 len([j for j in o.named(companions) if j.state == "RUNNING"]) == 2]
-        assert grown, "never saw two companion jobs running beside the training job"
-        extra_nodes = {j.nodes for j in obs[grown[0]].named(companions)}
-        assert all(j.state == "COMPLETED" for j in obs[-1].named(companions))
+        # Two companion jobs, one node each, beside the training job; both ended.
+        assert [j.state for j in obs[-1].named(companions)] == ["COMPLETED"] * 2
     else:
         # The training job itself holds three nodes, then one again; no companion jobs.
-        grown = [i for i, o in enumerate(obs) if running(o) and
-                 len(hostnames(o.jobs[job].nodes)) == 3]
-        assert grown, "never saw the training job expanded to three nodes"
-        extra_nodes = hostnames(obs[grown[0]].jobs[job].nodes) - first_node
         assert not any(o.named(companions) for o in obs)
-        shrunk = [o for o in obs[grown[-1]:] if running(o) and
+        shrunk = [o for o in obs[grown[-1]:] if running(o, job) and
                   hostnames(o.jobs[job].nodes) == first_node]
         assert shrunk, "the job's node list never went back to its first node"
     assert len(extra_nodes) == 2 and not extra_nodes & first_node
     assert all(obs[grown[0]].nodes[n].state == "allocated" for n in extra_nodes)
-    released = [o for o in obs[grown[-1]:] if running(o) and
-                all(o.nodes[n].idle for n in extra_nodes)]
-    assert released, "the added nodes were not idle in sinfo while the training still ran"
+    assert released(obs, job, grown, extra_nodes), \
+        "the added nodes were not idle in sinfo while the training still ran"
 
     summary = summary_of(out)
     assert summary["final_test_accuracy"] >= 0.95 and summary["world_size"] == 1
+    assert summary["stopped"] is None and summary["epochs"] >= 4
     sizes = [(r["old_size"], r["new_size"], r["ok"]) for r in summary["resizes"]]
     assert sizes == [(1, 3, True), (3, 1, True)], summary["resizes"]
-    steps = [json.loads(l) for l in (tmp_path / "m.jsonl").read_text().splitlines()]
-    resizes = [r for r in steps if r.get("event") == "resize"]
+    resizes = records(metrics, "resize")
+    assert [(r["old_size"], r["new_size"], r["ok"]) for r in resizes] == sizes
     assert all(r["replicas_identical"] for r in resizes if r["new_size"] > 1)
-    sizes_trained = [r["world_size"] for r in steps if r.get("event") == "step"]
-    assert sizes_trained.count(3) >= 150 and sizes_trained[-1] == 1
-    assert_exactly_once(tmp_path, 40)
+    sizes_trained = [r["world_size"] for r in records(metrics, "step")]
+    assert sizes_trained.count(3) >= 100 and sizes_trained[-1] == 1
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"])
 
 
 @pytest.mark.slurm
@@ -277,18 +421,33 @@ def test_requests_that_cannot_be_met_leave_training_running_with_the_reason(clus
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("mode", ["companion", "expand"])
-def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, tmp_path, mode):
-    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, tmp_path, mode,
+                                                                      cancel_leftovers):
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, job_state, submit
 
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
     blocker = run_slurm(["sbatch", "--parsable", "-N3", "--exclusive", "-o", "/dev/null",
-                         "--wrap", "sleep 300"]).strip()
+                         "--wrap", "sleep 600"]).strip()
+    cancel_leftovers.append(blocker)
     try:
+        # The blocker holds three of the four nodes before the training takes the fourth, so
+        # the request for one more waits for resources (not behind the blocker's priority).
+        wait_for(lambda: getattr(job_state(blocker), "state", "") == "RUNNING",
+                 "the blocking job running", blocker, tmp_path, timeout=120)
         with JobWatcher() as watch:
-            job = submit(TRAIN_SBATCH, ["--epochs", "40", "--policy", "resize-schedule",
-                                        "--resize-schedule-steps", "3:2",
-                                        "--slurm-pending-timeout", "4", "--slurm-grow", mode],
+            job = submit(TRAIN_SBATCH, UNTIL_STOPPED + [
+                "--policy", "resize-schedule", "--resize-schedule-steps", "3:2",
+                "--slurm-pending-timeout", "4", "--slurm-grow", mode,
+                "--metrics-file", "m.jsonl", "--stop-file", str(stop)],
                          env=job_env(MAX_NODES=2), cwd=str(tmp_path))
-            final = watch.wait_until_gone(job, 600)
+            cancel_leftovers.append(job)
+            wait_for(lambda: "still pending after 4 s" in output_so_far(tmp_path, job),
+                     "the report of the node request still pending after 4 s", job, tmp_path)
+            # Training goes on at its size: 4 epochs take digits past 95 %.
+            wait_for(lambda: epochs_logged(metrics) >= 4, "4 epochs in the metrics", job,
+                     tmp_path)
+            stop.touch()
+            final = watch.wait_until_gone(job, 300)
     finally:
         run_slurm(["scancel", blocker])
     out = job_output(tmp_path, job)
@@ -300,55 +459,137 @@ def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, t
         assert "by 1 node(s)" in out and "still pending after 4 s; cancelled" in out
         requests = watch.observations[-1].named(f"hpcadapt-expand-{job}")
     assert [c.state for c in requests] == ["CANCELLED"]
+    assert "training goes on with 1 workers" in out
     s = summary_of(out)
-    assert s["world_size"] == 1 and s["epochs"] == 40 and s["final_test_accuracy"] >= 0.95
+    assert s["world_size"] == 1 and s["epochs"] >= 4 and s["final_test_accuracy"] >= 0.95
+    assert [(r["old_size"], r["new_size"], r["ok"]) for r in s["resizes"]] == [(1, 2, False)]
+
+
+RESUMED = re.compile(r"resumed from (\S+) at epoch (\d+), step (\d+)")
 
 
 @pytest.mark.slurm
-def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster, tmp_path):
-    from hpcadapt.slurm.testcluster.watch import submit
+def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster, tmp_path,
+                                                                         cancel_leftovers):
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
-    epochs = 30
-    job = submit(TRAIN_SBATCH, ["--epochs", str(epochs), "--metrics-file", "m.jsonl",
-                                "--sample-log", "samples"], env=job_env(), cwd=str(tmp_path))
-    metrics = tmp_path / "m.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if metrics.exists() and metrics.read_text().count('"event": "step"') >= 100:
-            break
-        time.sleep(0.2)
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    job = submit(TRAIN_SBATCH, UNTIL_STOPPED + ["--metrics-file", "m.jsonl", "--sample-log",
+                                                "samples", "--stop-file", str(stop)],
+                 env=job_env(), cwd=str(tmp_path))
+    cancel_leftovers.append(job)
+    wait_for(lambda: len(records(metrics, "step")) >= 100, "100 steps in the metrics", job,
+             tmp_path)
     run_slurm(["scancel", "--signal=USR1", job])
-    from hpcadapt.slurm.testcluster.watch import JobWatcher
-
-    final = JobWatcher().wait_until_gone(job, 600)
+    resumed = wait_for(lambda: RESUMED.search(output_so_far(tmp_path, job)),
+                       "the requeued job resuming from its checkpoint", job, tmp_path)
+    epoch_stopped = int(resumed.group(2))
+    # The resumed job finishes the epoch the signal cut short (and digits gets past 95 %).
+    wait_for(lambda: epochs_logged(metrics) >= max(4, epoch_stopped + 1)
+             and any(r["epoch"] > epoch_stopped for r in records(metrics, "step")),
+             f"the resumed job past epoch {epoch_stopped}", job, tmp_path)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(job, 300)
     out = job_output(tmp_path, job)
     assert final.state == "COMPLETED", out[-3000:]
     assert "stopped on SIGUSR1" in out and f"requeueing job {job}" in out
-    assert "(restart 1)" in out and f"resumed from hpcadapt-{job}.ckpt" in out
+    assert "(restart 1)" in out and resumed.group(1) == f"hpcadapt-{job}.ckpt"
     shown = parse_key_values(run_slurm(["scontrol", "show", "job", job]))
     assert shown["Restarts"] == "1"
     summary = summary_of(out)
-    assert summary["epochs"] == epochs and summary["final_test_accuracy"] >= 0.95
-    assert_exactly_once(tmp_path, epochs)
+    assert summary["final_test_accuracy"] >= 0.95 and summary["stopped"] is None
+    # Every sample once in each epoch, across the stop and the requeue.
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"])
+    assert summary["epochs"] > epoch_stopped
     assert not (tmp_path / f"hpcadapt-{job}.ckpt").exists()  # removed once training finished
 
 
 @pytest.mark.slurm
-def test_time_limit_signal_requeues_until_the_training_is_done(cluster, tmp_path):
+def test_time_limit_signal_requeues_until_the_training_is_done(cluster, tmp_path,
+                                                              cancel_leftovers):
     """The real thing: a two-minute job that needs longer. Slurm sends USR1 60 s before the
     limit (give or take its 30 s of slack: between 30 and 60 s into the run), the state is
-    saved, the job requeued, and so on until the training (90 s or more) is done."""
+    saved, the job requeued and resumed; once it has resumed the test ends it by its stop
+    file (another signal before that only adds a requeue)."""
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
-    epochs = 1000
-    job = submit(TRAIN_SBATCH, ["--epochs", str(epochs), "--sample-log", "samples"],
+    stop = tmp_path / "STOP"
+    job = submit(TRAIN_SBATCH, UNTIL_STOPPED + ["--sample-log", "samples",
+                                                "--stop-file", str(stop)],
                  env=job_env(), cwd=str(tmp_path),
                  sbatch_options=["--time=2", "--signal=USR1@60"])
-    final = JobWatcher().wait_until_gone(job, 1200)
+    cancel_leftovers.append(job)
+    wait_for(lambda: RESUMED.search(output_so_far(tmp_path, job)),
+             "the job, requeued at its time-limit signal, resuming", job, tmp_path)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(job, 600)
     out = job_output(tmp_path, job)
     assert final.state == "COMPLETED", out[-3000:]
     restarts = int(parse_key_values(run_slurm(["scontrol", "show", "job", job]))["Restarts"])
     assert restarts >= 1
     assert out.count("stopped on SIGUSR1") == restarts == out.count("resumed from")
-    assert summary_of(out)["epochs"] == epochs
-    assert_exactly_once(tmp_path, epochs)
+    summary = summary_of(out)
+    assert summary["stopped"] is None
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"])
+
+
+USER_SBATCH = str(ROOT / "examples" / "train_user_script.sbatch")
+USER_SCRIPT = str(ROOT / "examples" / "mnist1d_adamw.py")
+
+
+@pytest.mark.slurm
+def test_a_users_own_script_grows_and_shrinks_on_slurm(cluster, tmp_path, cancel_leftovers):
+    """examples/train_user_script.sbatch srun's the user's own script (its own model, data,
+    optimizer and loop, the runtime's flags from hpcadapt.add_arguments); the joining worker
+    runs that script too, in a companion job on a node of its own, and leaves again."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    samples = 2000
+    args = UNTIL_STOPPED + [
+        "--samples", str(samples), "--workers", "0", "--policy", "resize-schedule",
+        "--resize-schedule-steps", "5:2,10:1", "--resize-schedule-hold", "30",
+        "--metrics-file", "m.jsonl", "--sample-log", "samples", "--check-replicas",
+        "--stop-file", str(stop)]
+    with JobWatcher() as watch:
+        job = submit(USER_SBATCH, args, env=job_env(MAX_NODES=2, SCRIPT=USER_SCRIPT),
+                     cwd=str(tmp_path))
+        cancel_leftovers.append(job)
+        wait_for(lambda: shrunk_to(metrics, 2, 1) or a_resize_failed(metrics),
+                 "resize 2 -> 1 done in the metrics", job, tmp_path)
+
+        def node_back():
+            g = growth(watched(watch, job), job, "companion", 2)
+            return True if g is None else bool(released(watched(watch, job), job, g[1], g[2]))
+
+        wait_for(node_back, "the added node idle in sinfo while the training runs", job,
+                 tmp_path, timeout=180)
+        stop.touch()
+        final = watch.wait_until_gone(job, 300)
+    out = job_output(tmp_path, job)
+    assert final.state == "COMPLETED", out[-3000:]
+    assert f"stop file {stop} found" in out
+    obs = watched(watch, job)
+    g = growth(obs, job, "companion", 2)
+    assert g is not None, "never saw a companion job running beside the training job"
+    first_node, grown, extra_nodes = g
+    assert len(first_node) == 1 and len(extra_nodes) == 1 and not extra_nodes & first_node
+    assert all(obs[grown[0]].nodes[n].state == "allocated" for n in extra_nodes)
+    assert released(obs, job, grown, extra_nodes), \
+        "the added node was not idle in sinfo while the training still ran"
+    companions = obs[-1].named(f"hpcadapt-join-{job}")
+    assert [j.state for j in companions] == ["COMPLETED"]
+    # The joining worker ran the user's script, in its companion job.
+    joined = (tmp_path / f"hpcadapt-join-{companions[0].job_id}.out").read_text()
+    assert "joined as rank 1 of 2" in joined, joined[-3000:]
+
+    resizes = records(metrics, "resize")
+    assert [(r["old_size"], r["new_size"], r["ok"]) for r in resizes] == \
+        [(1, 2, True), (2, 1, True)], resizes
+    assert all(r["replicas_identical"] for r in resizes)
+    sizes_trained = [r["world_size"] for r in records(metrics, "step")]
+    assert sizes_trained.count(2) >= 30 and sizes_trained[-1] == 1
+    summary = summary_of(out)
+    assert summary["world_size"] == 1 and summary["stopped"] is None
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"],
+                                              n_train=samples * 8 // 10)
