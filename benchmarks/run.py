@@ -22,6 +22,8 @@ BENCHMARKS = {
     "monitor-overhead": ("driver_simple", "throughput with gradient monitors on vs off"),
     "adaptive-batch": ("driver_adaptive", "time to accuracy: small, large and gns-batch"),
     "resize": ("driver_resize", "pause of grow/shrink vs a torchrun restart"),
+    "user-api": ("driver_user_api", "training throughput: a user's own script on the public "
+                                    "API vs the built-in entry point"),
     "slurm-resize": ("driver_slurm", "Slurm test cluster: decision to new nodes training, "
                                      "and to released nodes idle; vs resubmitting"),
 }
