@@ -7,15 +7,20 @@ Every flag of `hpcadapt.add_arguments` works here as on `python -m hpcadapt.trai
 monitors, --max-workers (growing and shrinking: see elastic.sh), --checkpoint (preemption).
 """
 
-import argparse
-import copy
-
-import torch
-from torch import nn
-from torch.utils.data import Dataset
-
 import hpcadapt
-from hpcadapt.datasets import load_dataset
+
+# First, before torch loads (seconds): a stop signal from Slurm during start-up waits for the
+# job's handlers instead of killing the process.
+hpcadapt.block_stop_signals()
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+from hpcadapt.datasets import load_dataset  # noqa: E402
 
 
 class MNIST1D(Dataset):

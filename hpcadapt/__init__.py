@@ -21,6 +21,7 @@ _HOMES = {
     ".job": ["Job", "JobOptions"],
     ".loader": ["ElasticDataLoader"],
     ".args": ["add_arguments"],
+    ".preemption": ["block_stop_signals", "EXIT_REQUEUE"],
     ".state": ["UserState", "TrainingState"],
     ".trainer": ["evaluate_accuracy"],
     ".errors": ["HpcAdaptError", "ConfigurationError", "CommunicationError", "MembershipError",

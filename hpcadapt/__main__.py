@@ -2,6 +2,11 @@
 
 import sys
 
-from .train import main
+# First, before torch loads: a stop signal from the scheduler waits until it can be handled.
+from hpcadapt.preemption import block_stop_signals
+
+block_stop_signals()
+
+from .train import main  # noqa: E402
 
 sys.exit(main())

@@ -16,8 +16,6 @@ import threading
 from dataclasses import dataclass
 from typing import List, Optional, Protocol, Sequence
 
-from mpi4py import MPI
-
 from .errors import AllocationError, ConfigurationError
 
 __all__ = ["Allocator", "Worker", "LocalAllocator", "LAUNCHERS"]
@@ -80,6 +78,8 @@ class _SpawnedWorker:
     process ends the whole job unless mpiexec runs with ``-disable-auto-cleanup``."""
 
     def __init__(self, argv: Sequence[str], env: dict):
+        from mpi4py import MPI  # here, not at import: importing mpi4py.MPI initialises MPI
+
         self.error: Optional[str] = None
         info = MPI.Info.Create()
         # The joining worker reads its settings from the command line; environment
@@ -91,6 +91,8 @@ class _SpawnedWorker:
         self._thread.start()
 
     def _spawn(self, argv: List[str], info) -> None:
+        from mpi4py import MPI
+
         try:
             inter = MPI.COMM_SELF.Spawn(sys.executable, args=argv, maxprocs=1, info=info)
             # The worker joins through the port like any other; dropping the spawn link lets

@@ -194,7 +194,9 @@ class Job:
 
     def __init__(self, args: Optional[argparse.Namespace] = None, **options: Any):
         from .logs import setup_logging
+        from .preemption import block_stop_signals
 
+        block_stop_signals()  # until the handlers below are in place (before MPI starts)
         _install_abort_on_exception()
         self.options = JobOptions.from_args(args, **options) if args is not None \
             else JobOptions(**options)

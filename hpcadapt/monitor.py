@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch loads with the training, not with the flags (see hpcadapt.args)
+    import torch
 
 from .errors import ConfigurationError
 
@@ -76,9 +77,11 @@ def estimate_from_replicas(mean_local_sq: float, global_sq: float, n: int,
     return NoiseEstimate(grad_sq, trace, mean_local_sq - global_sq)
 
 
-def estimate_from_consecutive(g_now: Sequence[torch.Tensor], g_prev: Sequence[torch.Tensor],
+def estimate_from_consecutive(g_now: Sequence["torch.Tensor"], g_prev: Sequence["torch.Tensor"],
                               global_batch: int) -> NoiseEstimate:
     """The one-replica estimator from two consecutive steps' gradients."""
+    import torch
+
     dot = sum(float(torch.dot(a, b)) for a, b in zip(g_now, g_prev))
     diff_sq = sum(float(torch.sum((a - b) ** 2)) for a, b in zip(g_now, g_prev))
     return NoiseEstimate(dot, global_batch * diff_sq / 2.0, diff_sq / 4.0)

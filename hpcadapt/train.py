@@ -18,13 +18,17 @@ from typing import List, Optional
 from hpcadapt.policies import argparse_type, params
 
 from .args import add_arguments, positive_int
-from .datasets import DATASETS
-from .models import MODELS
+from .preemption import block_stop_signals
 
 __all__ = ["build_parser", "main"]
 
 _positive_float = argparse_type(params.positive_float)
 _momentum = argparse_type(params.momentum)
+
+# Built-in names, known without loading torch (hpcadapt.datasets and hpcadapt.models check
+# that they match), so that the console script blocks the stop signals before torch loads.
+DATASET_NAMES = ("digits", "mnist1d", "synthetic")
+MODEL_NAMES = ("cnn", "mlp", "resnet")
 
 
 def _weight_decay(text: str) -> float:
@@ -74,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "`mpiexec -n N python -m hpcadapt.train ...` or `srun --mpi=pmi2 ...`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("training")
-    g.add_argument("--model", choices=sorted(MODELS), default="mlp", help="built-in model")
-    g.add_argument("--dataset", choices=sorted(DATASETS), default="digits",
+    g.add_argument("--model", choices=MODEL_NAMES, default="mlp", help="built-in model")
+    g.add_argument("--dataset", choices=DATASET_NAMES, default="digits",
                    help="digits: scikit-learn's handwritten digits; mnist1d: MNIST-1D "
                         "(generated offline); synthetic: random images")
     g.add_argument("--epochs", type=positive_int, default=5)
@@ -99,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     """Exit codes: 0 done, 2 bad input (one line), 75 stopped with the state saved (requeue),
     1 anything else (with the failing rank's traceback; every rank ends)."""
+    # First (again, for the console script and `python -m hpcadapt`): a stop signal from the
+    # scheduler waits until the job's handlers can take it.
+    block_stop_signals()
     parser = build_parser()
     args = parser.parse_args(argv)
     from .trainer import run_builtin

@@ -38,3 +38,11 @@ def test_unknown_names_list_choices():
         build_model("vgg", (1, 8, 8), 10)
     with pytest.raises(ConfigurationError, match="digits"):
         load_dataset("imagenet")
+
+
+def test_the_entry_point_knows_the_built_in_names_without_loading_torch():
+    from hpcadapt.datasets import DATASETS
+    from hpcadapt.models import MODELS
+    from hpcadapt.train import DATASET_NAMES, MODEL_NAMES
+
+    assert sorted(DATASET_NAMES) == sorted(DATASETS) and sorted(MODEL_NAMES) == sorted(MODELS)

@@ -132,12 +132,23 @@ def _blocked(pid: int, sig: int) -> bool:
     return bool(mask & (1 << (sig - 1)))
 
 
-def test_a_signal_during_start_up_waits_for_the_handler(tmp_path):
+STARTS = {
+    "module": [sys.executable, "-m", "hpcadapt.train"],
+    "package": [sys.executable, "-m", "hpcadapt"],
+    "console-script": [os.path.join(os.path.dirname(sys.executable), "hpcadapt-train")],
+    "user-script": [sys.executable, str(ROOT / "examples" / "mnist1d_adamw.py"), "--samples",
+                    "500", "--workers", "0"],
+}
+
+
+@pytest.mark.parametrize("start", sorted(STARTS))
+def test_a_signal_during_start_up_waits_for_the_handler(tmp_path, start):
     """Slurm may signal a requeued job the moment it starts, while torch still loads: the
-    signal is sent as soon as the entry point blocks it, before any handler exists."""
+    signal is sent as soon as the process blocks it, before any handler exists, through
+    every way of starting."""
     ckpt = tmp_path / "state.ckpt"
-    proc = subprocess.Popen([sys.executable, "-m", "hpcadapt.train", "--epochs", "2",
-                             "--no-progress", "--checkpoint", str(ckpt)], cwd=ROOT, text=True,
+    proc = subprocess.Popen(STARTS[start] + ["--epochs", "2", "--no-progress", "--checkpoint",
+                                             str(ckpt)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _wait_for(lambda: _blocked(proc.pid, signal.SIGUSR1), "SIGUSR1 blocked", proc)
     proc.send_signal(signal.SIGUSR1)
