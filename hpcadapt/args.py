@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s = parser.add_argument_group("steps and memory")
     s.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many steps in total")
+    s.add_argument("--max-nonfinite-steps", type=positive_int, default=5,
+                   help="a step whose loss (or monitored gradient) is NaN or infinite is "
+                        "skipped; after this many in a row training stops, saving the last "
+                        "good state to --checkpoint, with exit code 1")
     s.add_argument("--max-local-batch", type=positive_int, default=None,
                    help="most samples one rank puts through forward/backward at once; a "
                         "larger local batch is split into micro-batches whose gradients "

@@ -66,6 +66,7 @@ class JobOptions:
     monitor_interval: int = 1
     monitor_ema: float = 0.1
     max_steps: Optional[int] = None
+    max_nonfinite_steps: int = 5
     max_local_batch: Optional[int] = None
     bucket_bytes: Optional[int] = None
     max_workers: Optional[int] = None
@@ -243,6 +244,8 @@ class Job:
         self._walk: Optional[WalkKey] = None
         self._walk_cursor = -1
         self._stop_requested = False
+        self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
+        self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
         self._finish_requested = False
         self._epoch_logged = False
         self.exit_code = 0
@@ -482,17 +485,30 @@ class Job:
         t1 = time.perf_counter()
         stats = self.optimizer.synchronize()
         t2 = time.perf_counter()
-        if self.monitored:
-            self._update_monitors(stats, self._part.global_count)
-        self._keep_previous_gradients()
-        if clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_grad_norm)
-        self.optimizer.optimizer.step()
+        self._read_control(stats.extras, self._part.global_count)
+        # The global loss arrived with the gradients: every rank sees the same value, so all
+        # skip a non-finite step together, with no extra collective.
+        finite = math.isfinite(self.last_loss) and not (
+            self.monitored and self.world.size > 1 and not math.isfinite(stats.global_sqnorm))
+        if finite:
+            self._nonfinite_run = 0
+            if self.monitored:
+                self._update_monitors(stats, self._part.global_count)
+            self._keep_previous_gradients()
+            if clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_grad_norm)
+            self.optimizer.optimizer.step()
+        else:
+            self._nonfinite_run += 1
+            self._prev_grads = None
+            if self.world.rank == 0:
+                log.warning("step %d: the loss or gradient is not finite (loss %s); the update "
+                            "is skipped (%d in a row)", st.step, self.last_loss,
+                            self._nonfinite_run)
         st.sampler.advance(self._part.global_count)
         st.step += 1
         t3 = time.perf_counter()
         self._prev_local = (t3 - self._t_step, t1 - self._t_step, t2 - t1)
-        self._read_control(stats.extras, self._part.global_count)
         self._step_time = t3 - self._t_step
         self._last_count = self._part.global_count
         self._step_open = False
@@ -563,6 +579,9 @@ class Job:
         self._log_step(count)
         if self._stop_requested:
             self._stop_for_signal()
+            return False
+        if self._nonfinite_run >= self.options.max_nonfinite_steps:
+            self._stop_for_divergence()
             return False
         if self._finish_requested:
             self.finished_by_stop_file = True
@@ -970,6 +989,30 @@ class Job:
         if not saved[0]:
             self.stopped = f"{name}; state NOT saved"
 
+    def _stop_for_divergence(self) -> None:
+        """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps. The
+        skipped steps changed nothing, so the state is the last good one: rank 0 saves it
+        (unless the weights themselves are no longer finite) and the job ends with exit
+        code 1, not requeued (a requeue would diverge again)."""
+        st, n = self.state, self._nonfinite_run
+        self._requeue = False
+        name = f"{n} steps with a non-finite loss"
+        self.stopped = name
+        saved = np.zeros(1, dtype=np.int64)
+        if self.world.rank == 0:
+            finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+            log.error("the loss was not finite for %d steps in a row (up to step %d, learning "
+                      "rate %.4g, batch %d): training stops. Lower the learning rate (--lr), "
+                      "clip gradients, or raise --max-nonfinite-steps", n, st.step,
+                      st.hyper.lr, st.hyper.batch_size)
+            if finite and self.options.checkpoint:
+                saved[0] = self._save_for_stop(name)
+            elif not finite:
+                log.error("the weights are no longer finite: no checkpoint written")
+        communicator(self.world).broadcast(saved, root=0)
+        if not saved[0]:
+            self.stopped = f"{name}; state NOT saved"
+
     def _save_for_stop(self, name: str) -> bool:
         st = self.state
         if self._resumed_at is not None and st.step - self._resumed_at < 20:
@@ -1024,7 +1067,8 @@ class Job:
         self.exit_code = 0
         if self.stopped:
             # Requeue only from a saved state (rank 0 saves; the others follow its word).
-            self.exit_code = 1 if self.stopped.endswith("NOT saved") else EXIT_REQUEUE
+            self.exit_code = EXIT_REQUEUE if self._requeue and \
+                not self.stopped.endswith("NOT saved") else 1
         elif self.options.checkpoint and self.world.rank == 0 and not self.joining \
                 and os.path.exists(self.options.checkpoint):
             os.unlink(self.options.checkpoint)

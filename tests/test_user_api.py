@@ -254,3 +254,24 @@ def test_a_foreign_checkpoint_is_refused_on_every_rank_without_a_hang(tmp_path, 
                    check=False, timeout=300)
     assert proc.returncode != 0
     assert f"cannot resume from {ckpt}: it is not an hpcadapt checkpoint (no header)" in proc.stderr
+
+
+def test_a_non_finite_loss_on_one_rank_skips_that_step_everywhere(tmp_path):
+    run_a = _fine_print(tmp_path, "nan", ["--nan-at", "3", "--nan-at", "9", "--check-replicas"])
+    assert run_a["summary"]["steps"] == 14 and run_a["summary"]["stopped"] is None
+    assert all(x == x for p in run_a["params"] for x in p)
+    clean = _fine_print(tmp_path, "clean", [])
+    assert run_a["params"] != clean["params"]  # two updates fewer
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_with_the_last_good_state_and_is_not_requeued(tmp_path):
+    ckpt = tmp_path / "c.ckpt"
+    proc = run_mpi(2, ["-m", "hpcadapt.train", "--lr", "1e6", "--epochs", "3", "--no-progress",
+                       "--checkpoint", str(ckpt), "--max-nonfinite-steps", "3"],
+                   check=False, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the loss was not finite for 3 steps in a row" in proc.stderr
+    assert "is skipped (3 in a row)" in proc.stderr
+    s = summary_of(proc.stdout)
+    assert s["stopped"].startswith("3 steps with a non-finite loss") and s["epochs"] == 0

@@ -37,6 +37,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--workers", type=int, default=0)
 parser.add_argument("--batch-size", type=int, default=16)
+parser.add_argument("--nan-at", type=int, action="append", default=[],
+                    help="rank 1's loss is NaN at these steps")
 hpcadapt.add_arguments(parser)
 args = parser.parse_args()
 job = hpcadapt.Job(args)
@@ -50,7 +52,10 @@ job.setup(model, opt, loader)
 steps = []
 for epoch in job.epochs(2):
     for x, y in loader:
-        job.step(torch.nn.functional.cross_entropy(model(x), y))
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if job.world.rank == 1 and job.state.step in args.nan_at:
+            loss = loss * float("nan")
+        job.step(loss)
         if not steps or steps[-1]["step"] != job.state.step:
             steps.append({"step": job.state.step, "batch": job.state.hyper.batch_size,
                           "lrs": [g["lr"] for g in opt.param_groups],
