@@ -219,6 +219,8 @@ class Job:
         self.allocator = None
         if o.max_workers is not None:
             self._setup_elastic()
+        if not self.joining:
+            self._check_output_folders()
         self.sink = MetricsSink(o.metrics_file if not self.joining else None,
                                 enabled=self.world.rank == 0)
         self.state: Optional[TrainingState] = None
@@ -321,7 +323,6 @@ class Job:
             self._join()
         else:
             if o.checkpoint:
-                self._check_checkpoint_folder(o.checkpoint)
                 self._resumed = self._resume(o.checkpoint)
             if self.world.rank == 0:
                 log.info("training on %d workers, global batch %d, policies: %s",
@@ -348,18 +349,16 @@ class Job:
         if verdict["error"]:
             raise on_every_rank(ConfigurationError(verdict["error"]))
 
-    def _check_checkpoint_folder(self, path: str) -> None:
-        """Refuse at start (not when the signal comes) a checkpoint that cannot be written."""
+    def _check_output_folders(self) -> None:
+        """Refuse at start (not at the first write, nor when the stop signal comes) an output
+        path whose folder cannot be written: rank 0 probes, every rank hears its verdict."""
+        o = self.options
         error = ""
         if self.world.rank == 0:
-            folder = os.path.dirname(os.path.abspath(path))
-            try:
-                fd, probe = tempfile.mkstemp(prefix=".hpcadapt-probe-", dir=folder)
-                os.close(fd)
-                os.unlink(probe)
-            except OSError as exc:
-                error = (f"--checkpoint {path}: cannot write in {folder} ({exc.strerror}); "
-                         f"pass a path in a writable folder")
+            for flag, path in (("--checkpoint", o.checkpoint), ("--metrics-file", o.metrics_file),
+                               ("--summary-json", o.summary_json)):
+                if path and not error:
+                    error = _unwritable(flag, path)
         self._agree(error)
 
     @property
@@ -1083,6 +1082,21 @@ class Job:
         if self.state is None:
             raise ConfigurationError("call job.setup(model, optimizer, loader) first")
         return self.state
+
+
+def _unwritable(flag: str, path: str) -> str:
+    """Why ``path`` cannot be written (a one-line message naming ``flag``), or ""."""
+    if os.path.isdir(path):
+        return f"{flag} {path}: is a folder; pass a file path"
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".hpcadapt-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return (f"{flag} {path}: cannot write in {folder} ({exc.strerror}); pass a path in a "
+                f"writable folder")
+    return ""
 
 
 def _momentum_of(group: Mapping[str, Any]) -> float:

@@ -186,6 +186,10 @@ def test_an_exception_on_rank_1_ends_the_job_with_its_traceback():
     ("small-batch", [], "the global batch size 1 is below the 2 workers"),
     ("unserialisable", [], "user state 'lock' (lock) cannot be saved"),
     ("ok", ["--checkpoint", "/proc/hpcadapt-no/x.ckpt"], "cannot write in /proc/hpcadapt-no"),
+    ("ok", ["--metrics-file", "/proc/hpcadapt-no/m.jsonl"],
+     "--metrics-file /proc/hpcadapt-no/m.jsonl: cannot write in /proc/hpcadapt-no"),
+    ("ok", ["--summary-json", "/proc/hpcadapt-no/s.json"],
+     "--summary-json /proc/hpcadapt-no/s.json: cannot write in /proc/hpcadapt-no"),
 ])
 def test_bad_input_is_one_clear_line_and_no_hang(case, flags, message):
     proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", case] + flags, check=False,
