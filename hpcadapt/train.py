@@ -71,6 +71,13 @@ def _int_list(text: str) -> List[int]:
     return values
 
 
+def _names(module: str, table: str, builtin: tuple) -> list:
+    """The built-in names, and any a script registered in hpcadapt.MODULE.TABLE before it
+    called main() (such a module is loaded already; it is not loaded here for them)."""
+    loaded = sys.modules.get(f"hpcadapt.{module}")
+    return sorted(set(builtin) | set(getattr(loaded, table, ())))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hpcadapt-train",
@@ -78,8 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "`mpiexec -n N python -m hpcadapt.train ...` or `srun --mpi=pmi2 ...`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("training")
-    g.add_argument("--model", choices=MODEL_NAMES, default="mlp", help="built-in model")
-    g.add_argument("--dataset", choices=DATASET_NAMES, default="digits",
+    g.add_argument("--model", choices=_names("models", "MODELS", MODEL_NAMES), default="mlp",
+                   help="built-in model")
+    g.add_argument("--dataset", choices=_names("datasets", "DATASETS", DATASET_NAMES),
+                   default="digits",
                    help="digits: scikit-learn's handwritten digits; mnist1d: MNIST-1D "
                         "(generated offline); synthetic: random images")
     g.add_argument("--epochs", type=positive_int, default=5)
