@@ -105,30 +105,36 @@ def _fmt(key: str, value: Any) -> str:
     return f"{value:.3g}"
 
 
+def _decision_panels(row: Dict) -> List[str]:
+    """The panels a decision is marked on: those of what it changed (the loss panel when
+    none is known)."""
+    panels = []
+    for k in (row.get("changes") or {}):
+        p = _CHANGE_PANEL.get(k)
+        if p is not None and p not in panels:
+            panels.append(p)
+    return panels or ["loss"]
+
+
 def _decision_label(row: Dict, panel: str) -> str:
-    """What a decision changed on ``panel``, e.g. ``batch 24`` or ``lr 0.0245``."""
-    names = {"world_size": "workers", "batch_size": "batch", "lr": "lr", "momentum": "momentum"}
+    """What a decision changed on ``panel``, e.g. ``batch 24`` or ``lr 0.0245``; changes
+    with no panel of their own (``remove_rank``) go with the first."""
+    names = {"world_size": "workers", "batch_size": "batch", "lr": "lr", "momentum": "momentum",
+             "remove_rank": "remove rank"}
+    first = _decision_panels(row)[0] == panel
     parts = [f"{names.get(k, k)} {_fmt(k, v)}" for k, v in (row.get("changes") or {}).items()
-             if _CHANGE_PANEL.get(k, "loss") == panel]
-    return ", ".join(parts)
+             if _CHANGE_PANEL.get(k) == panel or (first and k not in _CHANGE_PANEL)]
+    return ", ".join(parts) or str(row.get("policy", "decision"))
 
 
 def _decision_y(row: Dict, panel: str) -> Optional[float]:
+    """The new value on ``panel``; momentum on the lr panel: the rate at the decision; None
+    when there is no value (the marker then sits at the panel's top)."""
     changes = row.get("changes") or {}
     for k, v in changes.items():
         if k == panel and isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
-    # momentum on the lr panel, or an unknown change on the loss panel: the current value
-    return _value(row, "lr" if panel == "lr" else panel)
-
-
-def _decision_panels(row: Dict) -> List[str]:
-    panels = []
-    for k in (row.get("changes") or {}):
-        p = _CHANGE_PANEL.get(k, "loss")
-        if p not in panels:
-            panels.append(p)
-    return panels or ["loss"]
+    return _value(row, "lr") if panel == "lr" else None
 
 
 def present_panels(runs: Dict[str, List[Dict]]) -> List[Tuple[str, str, str, bool]]:
@@ -289,15 +295,19 @@ def _draw_decisions(ax, rows: List[Dict], axis: str, panel: str, colour: str,
         marker = marker_of.get(policy, "o")
         for i, r in enumerate(found):
             x, y = _x(r, axis), _decision_y(r, panel)
-            if x is None or y is None or (ax.get_yscale() == "log" and y <= 0):
+            if x is None or (y is not None and ax.get_yscale() == "log" and y <= 0):
                 continue
-            ax.plot([x], [y], marker=marker, linestyle="none", markersize=5,
+            # no value: at the top of the panel, where the step or time is
+            where = {} if y is not None else {"transform": ax.get_xaxis_transform()}
+            y_at = y if y is not None else 0.97
+            ax.plot([x], [y_at], marker=marker, linestyle="none", markersize=5,
                     markerfacecolor="white", markeredgecolor=colour, markeredgewidth=1.2,
-                    gid=f"decision:{policy}")
+                    gid=f"decision:{policy}", **where)
             if i % every == 0:
-                ax.annotate(_decision_label(r, panel), xy=(x, y), xytext=(3, 3),
-                            textcoords="offset points", fontsize=6, color="0.25",
-                            gid=f"decision-label:{policy}")
+                ax.annotate(_decision_label(r, panel), xy=(x, y_at),
+                            xycoords="data" if y is not None else ax.get_xaxis_transform(),
+                            xytext=(3, 3 if y is not None else -9), textcoords="offset points",
+                            fontsize=6, color="0.25", gid=f"decision-label:{policy}")
         name = f"decision: {policy}"
         handles.setdefault(name, Line2D([], [], marker=marker, linestyle="none",
                                         markerfacecolor="white", markeredgecolor="0.2",
