@@ -236,6 +236,7 @@ class Job:
         self._resumed_at: Optional[int] = None
         self._queued_hooks: List[tuple] = []
         self._prev_grads: Optional[List[torch.Tensor]] = None
+        self._prev_count = 0  # the global batch of the step whose gradients _prev_grads hold
         self._prev_local = (0.0, 0.0, 0.0)
         self._step_time = 0.0
         self._last_count = 0
@@ -842,17 +843,21 @@ class Job:
 
     # -- monitoring --------------------------------------------------------------------------
     def _update_monitors(self, stats, global_count: int) -> None:
-        n = self.world.size
-        if n >= 2:
-            est = estimate_from_replicas(stats.local_sqnorm_mean, stats.global_sqnorm, n,
-                                         global_count)
+        if self.world.size >= 2:
+            # Ranks whose share was empty (a short last batch) carry no gradient sample.
+            replicas = int(np.count_nonzero(self.last_times.samples)) if self.last_times \
+                is not None else self.world.size
+            if replicas < 2:
+                return
+            est = estimate_from_replicas(stats.local_sqnorm_mean, stats.global_sqnorm,
+                                         replicas, global_count)
         else:
             grads = self.optimizer.flat_gradients()
             if self._prev_grads is None:
-                self._prev_grads = [g.clone() for g in grads]
-                return
-            est = estimate_from_consecutive(grads, self._prev_grads, global_count)
-        if not self.state.gns.update(est):
+                return  # the step before was not kept (a resize, a skipped step)
+            est = estimate_from_consecutive(grads, self._prev_grads, global_count,
+                                            self._prev_count)
+        if not self.state.gns.update(est, global_count):
             log.warning("step %d: non-finite gradient statistics skipped (|G|^2=%s, trS=%s)",
                         self.state.step, est.grad_sq, est.trace_sigma)
 
@@ -867,6 +872,7 @@ class Job:
             else:
                 for dst, src in zip(self._prev_grads, grads):
                     dst.copy_(src)
+            self._prev_count = self._part.global_count
         elif self.world.size > 1:
             self._prev_grads = None
 

@@ -60,55 +60,77 @@ class MonitorConfig:
 
 @dataclass(frozen=True)
 class NoiseEstimate:
-    """Unbiased single-step estimates (not yet smoothed)."""
+    """Unbiased single-step estimates (not yet smoothed).
 
-    grad_sq: float        # |G|^2, squared norm of the true gradient
-    trace_sigma: float    # tr(Sigma), per-sample gradient covariance trace
-    variance: float       # spread of replica gradients around their mean
+    ``grad_sq``: |G|^2, the squared norm of the true (expected) gradient. ``trace_sigma``:
+    tr(Sigma), the trace of the per-sample gradient covariance (per sample, independent of the
+    batch size). ``variance``: tr(Sigma)/B, the expected |g_B - G|^2 of the global batch's
+    gradient at this step's global batch B: the same quantity at every world size."""
+
+    grad_sq: float
+    trace_sigma: float
+    variance: float
 
 
-def estimate_from_replicas(mean_local_sq: float, global_sq: float, n: int,
+def estimate_from_replicas(weighted_local_sq: float, global_sq: float, replicas: int,
                            global_batch: int) -> NoiseEstimate:
-    """The data-parallel estimator for n >= 2 replicas of equal share."""
-    if n < 2:
-        raise ConfigurationError("the replica estimator needs at least 2 replicas")
-    grad_sq = (n * global_sq - mean_local_sq) / (n - 1)
-    trace = global_batch * (mean_local_sq - global_sq) / (n - 1)
-    return NoiseEstimate(grad_sq, trace, mean_local_sq - global_sq)
+    """The data-parallel estimator from one step's allreduce.
+
+    ``weighted_local_sq`` is sum_i w_i |g_i|^2 with w_i = b_i/B, each replica's share of the
+    global batch B (as the optimizer computes it); ``global_sq`` is |g|^2 of the averaged
+    gradient g = sum_i w_i g_i; ``replicas`` counts the ranks with a non-empty share. Then
+    E[sum_i w_i |g_i|^2] = |G|^2 + n tr(S)/B and E|g|^2 = |G|^2 + tr(S)/B for any shares, so
+    tr(S) = B (m - |g|^2)/(n - 1) and |G|^2 = (n |g|^2 - m)/(n - 1) (McCandlish et al.)."""
+    if replicas < 2:
+        raise ConfigurationError("the replica estimator needs at least 2 replicas with samples")
+    n, m = replicas, weighted_local_sq
+    trace = global_batch * (m - global_sq) / (n - 1)
+    return NoiseEstimate((n * global_sq - m) / (n - 1), trace, trace / global_batch)
 
 
 def estimate_from_consecutive(g_now: Sequence["torch.Tensor"], g_prev: Sequence["torch.Tensor"],
-                              global_batch: int) -> NoiseEstimate:
-    """The one-replica estimator from two consecutive steps' gradients."""
+                              batch_now: int, batch_prev: int) -> NoiseEstimate:
+    """The one-replica estimator from two consecutive steps' gradients (independent batches
+    of ``batch_now`` and ``batch_prev`` samples at nearly the same weights): E[g_t . g_{t-1}]
+    = |G|^2 and E|g_t - g_{t-1}|^2 = tr(S) (1/B_t + 1/B_{t-1}), unbiased also when the batch
+    size changed between the two (the short last batch of an epoch, a policy's change)."""
     import torch
 
     dot = sum(float(torch.dot(a, b)) for a, b in zip(g_now, g_prev))
     diff_sq = sum(float(torch.sum((a - b) ** 2)) for a, b in zip(g_now, g_prev))
-    return NoiseEstimate(dot, global_batch * diff_sq / 2.0, diff_sq / 4.0)
+    trace = diff_sq / (1.0 / batch_now + 1.0 / batch_prev)
+    return NoiseEstimate(dot, trace, trace / batch_now)
 
 
 class GradientNoiseScale:
-    """Separate exponential moving averages of |G|^2 and tr(Sigma), and their ratio.
+    """Separate moving averages of |G|^2 and tr(Sigma), and their ratio.
 
-    Bias-corrected like Adam's moments, so early values are not pulled towards zero."""
+    Smoothing scales with the batch (AdaptDL's convention): an estimate from a batch of B
+    samples keeps a weight of (1 - ema)^(B/B0) for the old average, B0 being the batch of the
+    first estimate, so a step of twice the samples counts as two. Bias-corrected like Adam's
+    moments, so early values are not pulled towards zero."""
 
     def __init__(self, ema: float = 0.1):
         self.ema = ema
         self._g = 0.0
         self._s = 0.0
         self._weight = 0.0
+        self._base_batch = 0
         self.last: Optional[NoiseEstimate] = None
         self.skipped = 0
 
-    def update(self, est: NoiseEstimate) -> bool:
-        """Fold in one estimate; a non-finite one is skipped (returns False)."""
+    def update(self, est: NoiseEstimate, batch: int = 0) -> bool:
+        """Fold in one estimate from a global batch of ``batch`` samples (0: the first
+        one's); a non-finite one is skipped (returns False)."""
         if not (math.isfinite(est.grad_sq) and math.isfinite(est.trace_sigma)):
             self.skipped += 1
             return False
-        a = self.ema
-        self._g = (1 - a) * self._g + a * est.grad_sq
-        self._s = (1 - a) * self._s + a * est.trace_sigma
-        self._weight = (1 - a) * self._weight + a
+        if not self._base_batch:
+            self._base_batch = batch or 1
+        keep = (1.0 - self.ema) ** ((batch or self._base_batch) / self._base_batch)
+        self._g = keep * self._g + (1 - keep) * est.grad_sq
+        self._s = keep * self._s + (1 - keep) * est.trace_sigma
+        self._weight = keep * self._weight + (1 - keep)
         self.last = est
         return True
 
@@ -136,8 +158,10 @@ class GradientNoiseScale:
         return self.grad_sq / (s / global_batch)
 
     def state_dict(self) -> Dict[str, float]:
-        return {"g": self._g, "s": self._s, "weight": self._weight, "ema": self.ema}
+        return {"g": self._g, "s": self._s, "weight": self._weight, "ema": self.ema,
+                "base_batch": self._base_batch}
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
         self._g, self._s = float(state["g"]), float(state["s"])
         self._weight, self.ema = float(state["weight"]), float(state["ema"])
+        self._base_batch = int(state.get("base_batch", 0))

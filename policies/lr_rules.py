@@ -74,9 +74,12 @@ class LRRule:
             return snap.base_lr * math.sqrt(scale)
         if self.rule == "adascale":
             m2, s2 = snap.grad_sq, snap.trace_sigma / snap.base_batch_size
-            if not (math.isfinite(m2) and math.isfinite(s2)) or m2 <= 0 or s2 < 0:
-                # No usable estimate yet: fall back to the conservative bound r = 1.
+            if not (math.isfinite(m2) and math.isfinite(s2)) or s2 <= 0:
+                # No usable noise estimate yet: the conservative bound r = 1.
                 return snap.base_lr
+            # |G|^2 clipped at 0 (AdaptDL): no measurable signal means every sample counts,
+            # r = S.
+            m2 = max(m2, 0.0)
             gain = (s2 + m2) / (s2 / scale + m2)
             return snap.base_lr * gain
         return None

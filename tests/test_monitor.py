@@ -54,17 +54,85 @@ def test_consecutive_estimator_for_one_replica():
     prev = torch.from_numpy(batch_gradient(rng, delta, 32))
     for _ in range(3000):
         now = torch.from_numpy(batch_gradient(rng, delta, 32))
-        gns.update(estimate_from_consecutive([now], [prev], 32))
+        gns.update(estimate_from_consecutive([now], [prev], 32, 32))
         prev = now
     assert gns.noise_scale == pytest.approx(want, rel=0.15)
 
 
-def test_variance_is_the_spread_of_replica_gradients():
-    gs = [np.array([1.0, 0.0]), np.array([3.0, 2.0])]
-    mean_local = float(np.mean([g @ g for g in gs]))
-    avg = np.mean(gs, axis=0)
-    est = estimate_from_replicas(mean_local, float(avg @ avg), 2, 8)
-    assert est.variance == pytest.approx(np.mean([(g - avg) @ (g - avg) for g in gs]))
+def test_variance_is_the_batch_gradients_noise_at_every_world_size():
+    """grad_variance means tr(Sigma)/B (per global batch) whatever the world size."""
+    rng = np.random.default_rng(3)
+    delta = rng.standard_normal(D) * 0.5
+    _, _, want_s = closed_form(delta)
+    for n in (2, 4):
+        b = 64 // n
+        vs = []
+        for _ in range(4000):
+            gs = [batch_gradient(rng, delta, b) for _ in range(n)]
+            avg = np.mean(gs, axis=0)
+            est = estimate_from_replicas(float(np.mean([g @ g for g in gs])), float(avg @ avg),
+                                         n, 64)
+            vs.append(est.variance)
+        assert np.mean(vs) == pytest.approx(want_s / 64, rel=0.05), n
+
+
+def _weighted_step(rng, delta, shares):
+    """What the optimizer computes from one step: sum_i w_i |g_i|^2 and |sum_i w_i g_i|^2,
+    with w_i = b_i / B; a rank with an empty share contributes nothing."""
+    total = sum(shares)
+    gs = [batch_gradient(rng, delta, b) if b else np.zeros(D) for b in shares]
+    ws = [b / total for b in shares]
+    avg = sum(w * g for w, g in zip(ws, gs))
+    return sum(w * float(g @ g) for w, g in zip(ws, gs)), float(avg @ avg), total
+
+
+@pytest.mark.parametrize("shares", [(16, 16), (9, 8, 8, 7), (20, 12, 0, 0), (40, 24), (3, 1)])
+def test_replica_estimator_is_unbiased_with_unequal_and_empty_shares(shares):
+    """Unequal shares (a batch not divisible by the world size) and empty ones (the short
+    last batch of an epoch): within 4% of the closed form, averaged over 20,000 steps."""
+    rng = np.random.default_rng(4)
+    delta = rng.standard_normal(D) * 0.5
+    _, want_g, want_s = closed_form(delta)
+    replicas = sum(1 for b in shares if b)
+    gs_, ss_ = [], []
+    for _ in range(20000):
+        m, g, total = _weighted_step(rng, delta, shares)
+        est = estimate_from_replicas(m, g, replicas, total)
+        gs_.append(est.grad_sq)
+        ss_.append(est.trace_sigma)
+    assert np.mean(ss_) == pytest.approx(want_s, rel=0.04)
+    # |G|^2 is estimated beside a noise of tr(S)/B per step: its tolerance scales with that.
+    assert abs(np.mean(gs_) - want_g) < 0.04 * want_g + 0.04 * want_s / sum(shares)
+
+
+def test_consecutive_estimator_is_unbiased_when_the_batch_changes():
+    """B alternates 64, 30, 64, 30 (a short last batch, a policy's change): the two-step
+    tr(Sigma) divides |g_t - g_t-1|^2 by (1/B_t + 1/B_t-1), within 3% of the closed form."""
+    rng = np.random.default_rng(5)
+    delta = rng.standard_normal(D) * 0.5
+    _, want_g, want_s = closed_form(delta)
+    batches = [64, 30] * 10000
+    prev = torch.from_numpy(batch_gradient(rng, delta, batches[0]))
+    traces, sqs = [], []
+    for b_prev, b in zip(batches, batches[1:]):
+        now = torch.from_numpy(batch_gradient(rng, delta, b))
+        est = estimate_from_consecutive([now], [prev], b, b_prev)
+        traces.append(est.trace_sigma)
+        sqs.append(est.grad_sq)
+        prev = now
+    assert np.mean(traces) == pytest.approx(want_s, rel=0.03)
+    assert np.mean(sqs) == pytest.approx(want_g, rel=0.1)
+
+
+def test_smoothing_scales_with_the_batch():
+    """A step of twice the first batch counts as two steps of it."""
+    a, b = GradientNoiseScale(ema=0.1), GradientNoiseScale(ema=0.1)
+    a.update(NoiseEstimate(1.0, 10.0, 0.0), 32)
+    b.update(NoiseEstimate(1.0, 10.0, 0.0), 32)
+    a.update(NoiseEstimate(3.0, 30.0, 0.0), 64)
+    b.update(NoiseEstimate(3.0, 30.0, 0.0), 32)
+    b.update(NoiseEstimate(3.0, 30.0, 0.0), 32)
+    assert a.grad_sq == pytest.approx(b.grad_sq) and a.trace_sigma == pytest.approx(b.trace_sigma)
 
 
 def test_non_finite_estimates_are_skipped():

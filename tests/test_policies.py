@@ -83,6 +83,11 @@ def test_adascale_gain_ratio():
     assert lr == pytest.approx(0.1 * 4 / 1.75)
     # no usable estimate: r = 1
     assert LRRule("adascale").target(snap(grad_sq=float("nan")), 128) == pytest.approx(0.1)
+    # no measurable signal (|G|^2 <= 0, clipped at 0 as AdaptDL does): every sample counts,
+    # r = S = 4
+    for g in (0.0, -0.5):
+        s = snap(grad_sq=g, trace_sigma=32.0 * 3.0)
+        assert LRRule("adascale").target(s, 128) == pytest.approx(0.1 * 4)
 
 
 def test_ramp_follows_lin_et_al():
