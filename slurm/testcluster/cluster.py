@@ -2,9 +2,13 @@
 """A real Slurm cluster on this one machine, for tests, CI and the Slurm quick start.
 
 munge, MariaDB, slurmdbd, slurmctld and one slurmd per emulated node (n1..n4), every file
-(configuration, state, logs, pid files, sockets) under one private folder. Daemons run in
-the foreground as children of nothing (their own sessions) and are stopped by the PIDs
-recorded at start, never by name. Missing packages are installed from Debian's registry.
+(configuration, state, logs, pid files, sockets) under one private folder. The folder is the
+cluster's own: created fresh with mode 0700 (never through a symlink) and marked with a random
+token; a folder that exists with another owner, group/other permissions, no marker, or as a
+symlink is refused, and nothing in it (munge key, pid file) is used. Daemons run in the
+foreground in their own sessions and are stopped by the PIDs recorded at start, each signalled
+only after /proc shows it is still the daemon recorded (same command, same start time), never
+by name. Missing packages are installed from Debian's registry.
 
     python3 slurm/testcluster/cluster.py up [--dir DIR] [--nodes 4]
     python3 slurm/testcluster/cluster.py down [--dir DIR]
@@ -16,25 +20,249 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
+import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 DEFAULT_DIR = os.environ.get("HPCADAPT_TESTCLUSTER_DIR", "/tmp/hpcadapt-slurm")
 CLUSTER_NAME = "hpcadapt"
 PACKAGES = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-client",
             "slurmdbd": "slurmdbd", "munged": "munge", "mariadbd": "mariadb-server"}
 PORTS = {"slurmctld": 16817, "slurmdbd": 16819, "mariadb": 16306, "slurmd_base": 17001}
+MARKER = ".hpcadapt-testcluster"
+_MARKER_LINE = "hpcadapt-testcluster token={}"
+_MARKER_RE = re.compile(r"hpcadapt-testcluster token=([0-9a-f]{64})\n?")
+_ADVICE = "remove it or pass another folder (--dir or HPCADAPT_TESTCLUSTER_DIR)"
 
 
 class ClusterError(RuntimeError):
     pass
+
+
+class Daemon(NamedTuple):
+    """One daemon as recorded at start: its label, PID, start time (clock ticks after boot,
+    field 22 of /proc/PID/stat) and executable name."""
+
+    label: str
+    pid: int
+    start: int
+    exe: str
+
+
+# -- the cluster's own folder ----------------------------------------------------------------
+def _refusal(path: Path, why: str) -> ClusterError:
+    return ClusterError(f"refusing {path}: {why}; {_ADVICE}")
+
+
+def _check_ancestors(path: Path) -> None:
+    """A folder above the cluster's that is a symlink must belong to root or to us: one that
+    someone else planted (in /tmp, say) could send the cluster's files anywhere."""
+    for p in [path, *path.parents]:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+            raise _refusal(p, f"it is a symlink that belongs to uid {st.st_uid}")
+
+
+def _check_created(path: Path) -> None:
+    """After os.mkdir: the path is the folder we made (lstat: a folder, not a symlink, ours),
+    with mode 0700 (set again through a descriptor opened without following symlinks when the
+    umask took more away)."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise _refusal(path, "it was replaced while the test cluster was creating it")
+    if st.st_uid != os.geteuid():
+        raise _refusal(path, f"it belongs to uid {st.st_uid}, not to uid {os.geteuid()}")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != (st.st_ino, st.st_dev):
+                raise _refusal(path, "it was replaced while the test cluster was creating it")
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+
+
+def read_marker(root: Path) -> str:
+    """The token in the marker of a folder the cluster created, once the marker is checked:
+    a regular file of ours that only we may read (opened without following a symlink), with
+    the one line the cluster writes."""
+    try:
+        fd = os.open(root / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _refusal(root, f"it has no marker {MARKER}, so the test cluster did not create "
+                             "it") from None
+    except OSError as exc:  # ELOOP: the marker is a symlink
+        raise _refusal(root, f"its marker {MARKER} cannot be opened safely "
+                             f"({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        text = f.read(4096) if stat.S_ISREG(st.st_mode) else b""
+    match = _MARKER_RE.fullmatch(text.decode("ascii", "replace"))
+    if (match is None or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+            or st.st_mode & 0o077):
+        raise _refusal(root, f"its marker {MARKER} is not one the test cluster wrote")
+    return match.group(1)
+
+
+def check_folder(root: Path) -> str:
+    """Check that ``root`` is the cluster's own folder (a folder, not a symlink, ours, mode
+    0700, with our marker) and return its token; raise ClusterError with one line saying what
+    is wrong and what to do otherwise."""
+    _check_ancestors(root.parent)
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode):
+        raise _refusal(root, "it is a symlink")
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refusal(root, "it is not a folder")
+    if st.st_uid != os.geteuid():
+        raise _refusal(root, f"it belongs to uid {st.st_uid}, not to uid {os.geteuid()}")
+    if st.st_mode & 0o077:
+        raise _refusal(root, f"group or others have permissions on it (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}, not 0700)")
+    return read_marker(root)
+
+
+def create_folder(root: Path) -> str:
+    """Create ``root`` fresh, and any missing folder above it, each with os.mkdir(mode 0700)
+    and checked with lstat (a symlink or a folder that appears meanwhile is refused); write
+    the marker with a new random token (O_EXCL, O_NOFOLLOW, mode 0600) and return the token."""
+    _check_ancestors(root.parent)
+    missing = []
+    p = root
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            raise _refusal(d, "it appeared while the test cluster was creating it") from None
+        _check_created(d)
+    token = secrets.token_hex(32)
+    _private_file(root / MARKER, lambda: (_MARKER_LINE.format(token) + "\n").encode(),
+                  reuse=False)
+    return token
+
+
+def _private_file(path: Path, make: Callable[[], bytes], reuse: bool = True) -> Path:
+    """Create ``path`` with mode 0600 through os.open(O_CREAT | O_EXCL | O_NOFOLLOW), never
+    through a symlink. With ``reuse``, one that exists is kept when it is a regular file of ours
+    that only we may use (callers reach this only inside the cluster's checked folder)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        st = os.lstat(path)
+        if (not reuse or not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+                or st.st_mode & 0o077):
+            raise ClusterError(f"refusing {path}: not a private file the test cluster made "
+                               f"(a regular file of ours, mode 0600); remove it") from None
+        return path
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(make())
+    return path
+
+
+# -- the daemons' PIDs -------------------------------------------------------------------------
+def _proc_stat(pid: int) -> Optional[Tuple[str, int]]:
+    """(state, start time) from /proc/PID/stat (fields 3 and 22), or None without the process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+        rest = text[text.rindex(")") + 2:].split()  # the command name may hold spaces or ')'
+        return rest[0], int(rest[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _proc_names(pid: int) -> Tuple[str, str]:
+    """(comm, basename of argv[0]) of a process, empty where unreadable."""
+    names = []
+    for leaf in ("comm", "cmdline"):
+        try:
+            with open(f"/proc/{pid}/{leaf}", "rb") as f:
+                raw = f.read()
+        except OSError:
+            raw = b""
+        raw = raw.split(b"\0")[0] if leaf == "cmdline" else raw.rstrip(b"\n")
+        names.append(os.path.basename(raw.decode("utf-8", "replace")))
+    return names[0], names[1]
+
+
+def why_not_daemon(d: Daemon) -> Optional[str]:
+    """None when PID ``d.pid`` is still the daemon recorded: it runs, its command (comm or
+    argv[0]) is ``d.exe``, and it started at the recorded time; else why not."""
+    st = _proc_stat(d.pid)
+    if st is None or st[0] in ("Z", "X"):
+        return "no such process any more"
+    comm, argv0 = _proc_names(d.pid)
+    if comm != d.exe[:15] and argv0 != d.exe:
+        return f"it runs {argv0 or comm!r}, not {d.exe}"
+    if st[1] != d.start:
+        return (f"it started at tick {st[1]}, not at {d.start} as recorded (the PID was "
+                "reused)")
+    return None
+
+
+def _send(d: Daemon, pidfd: Optional[int], sig: int) -> None:
+    try:
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, sig)
+        else:
+            os.kill(d.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_gone(d: Daemon, pidfd: Optional[int], timeout: float) -> bool:
+    if pidfd is not None:  # readable once the process has exited
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return bool(poller.poll(int(timeout * 1000)))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if why_not_daemon(d) is not None:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def stop_daemon(d: Daemon, timeout: float) -> Optional[str]:
+    """SIGTERM the recorded daemon (SIGKILL after ``timeout`` s) once /proc shows it is still
+    that daemon; return why it was not signalled, or None. The check comes after
+    os.pidfd_open, so a PID reused in between fails the check instead of being signalled."""
+    try:
+        pidfd: Optional[int] = os.pidfd_open(d.pid)
+    except ProcessLookupError:
+        return "no such process any more"
+    except (AttributeError, OSError):
+        pidfd = None  # no pidfd here: the signal follows the check at once
+    try:
+        why = why_not_daemon(d)
+        if why is not None:
+            return why
+        _send(d, pidfd, signal.SIGTERM)
+        if not _wait_gone(d, pidfd, timeout):
+            if pidfd is not None or why_not_daemon(d) is None:
+                _send(d, pidfd, signal.SIGKILL)
+                _wait_gone(d, pidfd, 10)
+        return None
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def _run(cmd: List[str], *, env: Optional[Dict[str, str]] = None, check: bool = True,
@@ -68,7 +296,9 @@ class TestCluster:
     """One test cluster rooted at ``root``."""
 
     def __init__(self, root: str = DEFAULT_DIR, nodes: int = 4, cpus_per_node: int = 2):
-        self.root = Path(root).resolve()
+        # abspath, not resolve(): resolving would follow the symlink the folder checks refuse.
+        self.root = Path(os.path.abspath(root))
+        self.token: Optional[str] = None  # the marker's, once the folder is checked
         self.nodes = nodes
         self.cpus = cpus_per_node
         self.etc = self.root / "etc"
@@ -92,19 +322,49 @@ class TestCluster:
     def node_names(self) -> List[str]:
         return [f"n{i}" for i in range(1, self.nodes + 1)]
 
-    # -- pid bookkeeping -------------------------------------------------------------------
-    def _record(self, name: str, pid: int) -> None:
-        with open(self.pids_file, "a", encoding="utf-8") as f:
-            f.write(f"{name} {pid}\n")
+    # -- the folder ------------------------------------------------------------------------
+    def claim(self) -> bool:
+        """Make sure the folder is the cluster's own: create it fresh (True), or accept the one a
+        previous cluster of ours left (False: our marker, our owner, mode 0700). Anything else
+        raises ClusterError with one line saying what to do."""
+        if os.path.lexists(self.root):
+            self.token = check_folder(self.root)
+            return False
+        self.token = create_folder(self.root)
+        return True
 
-    def recorded(self) -> List[tuple]:
-        if not self.pids_file.exists():
+    # -- pid bookkeeping -------------------------------------------------------------------
+    def _pids_header(self) -> str:
+        return "# " + _MARKER_LINE.format(self.token)
+
+    def _new_pids_file(self) -> None:
+        self.pids_file.write_text(self._pids_header() + "\n", encoding="utf-8")
+
+    def _record(self, label: str, pid: int, exe: str) -> None:
+        st = _proc_stat(pid)
+        with open(self.pids_file, "a", encoding="utf-8") as f:
+            f.write(f"{label} {pid} {st[1] if st else 0} {exe}\n")
+
+    def recorded(self) -> List[Daemon]:
+        """The daemons the pid file lists (call once the folder is checked: ``self.token``)."""
+        try:
+            lines = self.pids_file.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        if not lines:
+            return []
+        if self.token is None or lines[0] != self._pids_header():
+            print(f"test cluster: {self.pids_file} was not written by this folder's cluster; "
+                  "no PID in it is signalled", file=sys.stderr)
             return []
         rows = []
-        for line in self.pids_file.read_text(encoding="utf-8").splitlines():
-            name, _, pid = line.partition(" ")
-            if pid.strip().isdigit():
-                rows.append((name, int(pid)))
+        for line in lines[1:]:
+            parts = line.split()
+            if len(parts) == 4 and parts[1].isdigit() and parts[2].isdigit():
+                rows.append(Daemon(parts[0], int(parts[1]), int(parts[2]), parts[3]))
+            elif line.strip():
+                print(f"test cluster: skipping the unreadable line {line!r} of "
+                      f"{self.pids_file}", file=sys.stderr)
         return rows
 
     def _start(self, name: str, cmd: List[str], env: Optional[Dict[str, str]] = None) -> int:
@@ -112,21 +372,24 @@ class TestCluster:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 env=env or self.env(), start_new_session=True)
         log.close()
-        self._record(name, proc.pid)
+        # Popen returns once the command is exec'd: comm and the start time are the daemon's.
+        self._record(name, proc.pid, os.path.basename(cmd[0]))
         return proc.pid
 
     # -- up ----------------------------------------------------------------------------
     def up(self) -> None:
-        if self.running():
+        fresh = self.claim()  # before anything else: a folder that is not ours is refused
+        if not fresh and self.running():
             print(f"test cluster already up in {self.root}")
             return
         ensure_packages()
-        self.down(quiet=True)
+        if not fresh:
+            self.down(quiet=True)
         for d in (self.etc, self.run_dir / "munge", self.log_dir, self.root / "ctld",
                   self.root / "spool", self.root / "tmp", self.root / "db"):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.run_dir / "munge", 0o755)  # munged refuses a socket folder others can write
-        self.pids_file.write_text("", encoding="utf-8")
+        self._new_pids_file()
         try:
             self._start_munge()
             self._start_mariadb()
@@ -145,11 +408,13 @@ class TestCluster:
         print(f"test cluster up: {self.nodes} nodes in {self.root}\n"
               f"export SLURM_CONF={self.slurm_conf}", flush=True)
 
+    def munge_key(self) -> Path:
+        """The munge key: 1 KiB of random bytes created with mode 0600 (O_EXCL, O_NOFOLLOW), or
+        the one a previous cluster of ours left in this checked folder."""
+        return _private_file(self.etc / "munge.key", lambda: secrets.token_bytes(1024))
+
     def _start_munge(self) -> None:
-        key = self.etc / "munge.key"
-        if not key.exists():
-            key.write_bytes(secrets.token_bytes(1024))
-        os.chmod(key, 0o600)
+        key = self.munge_key()
         self._start("munged", ["munged", "--foreground", "--force",
                                f"--socket={self.munge_socket}", f"--key-file={key}",
                                f"--pid-file={self.run_dir / 'munged.pid'}",
@@ -158,10 +423,7 @@ class TestCluster:
         _wait_for(lambda: self.munge_socket.exists(), 20, "munged socket")
 
     def _db_password(self) -> str:
-        path = self.etc / "db.pass"
-        if not path.exists():
-            path.write_text(secrets.token_hex(16), encoding="utf-8")
-            os.chmod(path, 0o600)
+        path = _private_file(self.etc / "db.pass", lambda: secrets.token_hex(16).encode())
         return path.read_text(encoding="utf-8").strip()
 
     def _start_mariadb(self) -> None:
@@ -274,8 +536,16 @@ StorageLoc=slurm_acct_db
 
     # -- state -------------------------------------------------------------------------
     def running(self) -> bool:
+        """Whether the cluster in our own folder is up: every recorded daemon is still the one
+        started and slurmctld answers. A folder that is not ours is never up (and not used)."""
+        if not os.path.lexists(self.root):
+            return False
+        try:
+            self.token = check_folder(self.root)
+        except (ClusterError, OSError):
+            return False
         rows = self.recorded()
-        if not rows or not all(_alive(pid) for _, pid in rows):
+        if not rows or any(why_not_daemon(d) is not None for d in rows):
             return False
         try:
             return _run(["scontrol", "ping"], env=self.env(), check=False,
@@ -285,13 +555,29 @@ StorageLoc=slurm_acct_db
 
     # -- down --------------------------------------------------------------------------
     def down(self, quiet: bool = False) -> None:
-        rows = self.recorded()
-        if not rows:
+        """Stop the daemons recorded in our own folder: each PID is signalled only when /proc
+        shows it is still the daemon started (command and start time); any other is skipped
+        with a line saying why. A folder that is not ours raises ClusterError (nothing is
+        signalled)."""
+        if not os.path.lexists(self.root):
             if not quiet:
-                print(f"no test cluster recorded in {self.root}")
+                print(f"no test cluster in {self.root}")
             return
-        names = [n for n, _ in rows]
-        if "slurmctld" in names and _alive(dict(rows)["slurmctld"]):
+        self.token = check_folder(self.root)
+        rows = []
+        for d in self.recorded():
+            why = why_not_daemon(d)
+            if why is None:
+                rows.append(d)
+            else:
+                print(f"test cluster: not signalling PID {d.pid} ({d.label}): {why}",
+                      file=sys.stderr)
+        if not rows:
+            self._new_pids_file()
+            if not quiet:
+                print(f"no test cluster running in {self.root}")
+            return
+        if any(d.label == "slurmctld" for d in rows):
             # End the jobs first so that their step daemons (slurmstepd) exit with them.
             _run(["scancel", "--full", "--state=RUNNING"], env=self.env(), check=False, timeout=30)
             _run(["scancel", "--state=PENDING"], env=self.env(), check=False, timeout=30)
@@ -301,38 +587,14 @@ StorageLoc=slurm_acct_db
                     timeout=20).stdout.strip():
                 time.sleep(0.5)
         # Stop in the reverse order of start: slurmds, slurmctld, slurmdbd, MariaDB, munged.
-        for name, pid in reversed(rows):
-            _stop(pid, timeout=20)
-        self.pids_file.write_text("", encoding="utf-8")
+        for d in reversed(rows):
+            why = stop_daemon(d, timeout=20)
+            if why is not None and why != "no such process any more":
+                print(f"test cluster: not signalling PID {d.pid} ({d.label}): {why}",
+                      file=sys.stderr)
+        self._new_pids_file()
         if not quiet:
             print(f"test cluster in {self.root} stopped")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is not alive; /proc tells.
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
-
-
-def _stop(pid: int, timeout: float) -> None:
-    if not _alive(pid):
-        return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
 
 
 def _port_open(port: int) -> bool:
@@ -366,6 +628,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif args.action == "env":
             print(f"export SLURM_CONF={cluster.slurm_conf}")
         else:
+            if os.path.lexists(cluster.root):
+                check_folder(cluster.root)  # a folder not ours: say so, not just "down"
             up = cluster.running()
             print("up" if up else "down")
             return 0 if up else 1
