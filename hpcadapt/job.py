@@ -881,7 +881,8 @@ class Job:
         out: Dict[str, Any] = {}
         if self.monitored and gns.last is not None:
             out.update(noise_scale=gns.noise_scale, grad_sq=gns.grad_sq,
-                       trace_sigma=gns.trace_sigma, grad_variance=gns.last.variance,
+                       trace_sigma=gns.trace_sigma,
+                       grad_variance=gns.trace_sigma / self.state.hyper.batch_size,
                        grad_snr=gns.snr(self.state.hyper.batch_size))
         if self.last_times is not None:
             out.update(rank_step_time=self.last_times.step_time.round(6).tolist(),
@@ -894,7 +895,6 @@ class Job:
         from hpcadapt.policies.base import MetricsSnapshot
 
         st, t, h = self.state, self.last_times, self.state.hyper
-        last = st.gns.last
         return MetricsSnapshot(
             step=st.step, epoch=st.epoch, world_size=self.world.size,
             batch_size=h.batch_size, lr=h.lr, momentum=h.momentum,
@@ -904,7 +904,7 @@ class Job:
             test_accuracy=st.last_accuracy, monitored=self.monitored,
             noise_scale=st.gns.noise_scale, grad_sq=st.gns.grad_sq,
             trace_sigma=st.gns.trace_sigma,
-            grad_variance=last.variance if last else float("nan"),
+            grad_variance=st.gns.trace_sigma / h.batch_size,
             grad_snr=st.gns.snr(h.batch_size),
             step_time=tuple(t.step_time.tolist()) if t else (),
             compute_time=tuple(t.compute_time.tolist()) if t else (),
