@@ -39,6 +39,25 @@ def run_mpi(n: int, args: List[str], *, timeout: float = 300, env: Optional[dict
     return proc
 
 
+def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 600,
+             stderr: Optional[Path] = None):
+    """Poll ``predicate`` until it returns something true, and return that; fail at once if
+    ``proc`` ends first (showing its stderr, from its pipe or from the file ``stderr``).
+    Tests wait for events the run reports this way, never for "long enough"."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            text = stderr.read_text() if stderr is not None else proc.stderr.read()
+            pytest.fail(f"the run ended before {what}: {text[-3000:]}")
+        time.sleep(0.02)
+    pytest.fail(f"no {what} within {timeout} s")
+
+
 @pytest.fixture(scope="session")
 def world():
     import hpcadapt

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, mpiexec
+from conftest import ROOT, mpiexec, wait_for
 from hpcadapt.preemption import EXIT_REQUEUE, StopSignals, parse_signal
 
 
@@ -51,19 +51,6 @@ def _rank_pids(folder) -> dict:
     return pids
 
 
-def _wait_for(predicate, what: str, proc, timeout: float = 600):
-    """Poll ``predicate`` until it is true; fail at once if ``proc`` ends first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before {what}: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.02)
-    pytest.fail(f"no {what} within {timeout} s")
-
-
 def _steps_reported(metrics) -> int:
     return metrics.read_text().count('"event": "step"') if metrics.exists() else 0
 
@@ -88,9 +75,9 @@ def test_signal_to_one_rank_saves_state_and_the_restart_finishes_exactly_once(tm
     flags = ["--epochs", "1000", "--checkpoint", str(ckpt)]
     first = subprocess.Popen(_train(tmp_path, "samples", flags + ["--metrics-file", str(metrics)]),
                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _wait_for(lambda: _steps_reported(metrics) >= 5, "step 5", first)
+    wait_for(lambda: _steps_reported(metrics) >= 5, "step 5", first)
     # The sample log is buffered: rank 1's first line (with its pid) may come a little later.
-    pids = _wait_for(lambda: (lambda p: p if len(p) == 2 else None)(_rank_pids(tmp_path / "samples")),
+    pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(_rank_pids(tmp_path / "samples")),
                      "both ranks' sample logs", first)
     os.kill(pids[1], sig)  # rank 1 only: the others learn it through the control reduction
     out, err = first.communicate(timeout=300)
@@ -150,7 +137,7 @@ def test_a_signal_during_start_up_waits_for_the_handler(tmp_path, start):
     proc = subprocess.Popen(STARTS[start] + ["--epochs", "2", "--no-progress", "--checkpoint",
                                              str(ckpt)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _wait_for(lambda: _blocked(proc.pid, signal.SIGUSR1), "SIGUSR1 blocked", proc)
+    wait_for(lambda: _blocked(proc.pid, signal.SIGUSR1), "SIGUSR1 blocked", proc)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_REQUEUE, err[-3000:]
@@ -176,7 +163,7 @@ def test_a_state_that_cannot_be_saved_is_not_requeued(tmp_path):
                              "--no-progress", "--checkpoint", str(ckpt), "--metrics-file",
                              str(metrics)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    _wait_for(lambda: _steps_reported(metrics) >= 3, "step 3", proc)
+    wait_for(lambda: _steps_reported(metrics) >= 3, "step 3", proc)
     folder.rmdir()
     folder.write_text("a file where the folder was")
     proc.send_signal(signal.SIGTERM)

@@ -11,11 +11,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import ROOT, mpiexec, run_mpi
+from conftest import ROOT, mpiexec, run_mpi, wait_for
 
 EXAMPLE = str(ROOT / "examples" / "mnist1d_adamw.py")
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -95,7 +94,7 @@ def test_own_script_grows_and_shrinks_with_identical_replicas(tmp_path):
         return done and sum(1 for r in rows if r["event"] == "step"
                             and r["step"] > done[0]["step"]) >= 10
 
-    _wait_for(shrunk_and_trained_on, "the grow to 3, the shrink to 2 and 10 steps after", proc,
+    wait_for(shrunk_and_trained_on, "the grow to 3, the shrink to 2 and 10 steps after", proc,
               stderr=tmp_path / "err")
     stop.touch()
     proc.wait(timeout=600)
@@ -119,21 +118,6 @@ def _rows(path) -> list:
     return [json.loads(l) for l in text[:text.rfind("\n") + 1].splitlines() if l]
 
 
-def _wait_for(predicate, what: str, proc, timeout: float = 600, stderr=None):
-    """Poll ``predicate`` until true; fail at once if ``proc`` ends first (its stderr from
-    the pipe, or from the file ``stderr``)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            text = stderr.read_text() if stderr is not None else proc.stderr.read()
-            pytest.fail(f"the run ended before {what}: {text[-3000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"no {what} within {timeout} s")
-
-
 def _rank_pid(folder, rank):
     for path in glob.glob(os.path.join(folder, "samples-*.jsonl")):
         with open(path, encoding="utf-8") as f:
@@ -152,10 +136,10 @@ def test_usr1_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path)
         "--sample-log", str(tmp_path / "s")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE)
     # Train until told: signal rank 1 once the run reports step 5.
-    _wait_for(lambda: m.exists() and m.read_text().count('"event": "step"') >= 5,
+    wait_for(lambda: m.exists() and m.read_text().count('"event": "step"') >= 5,
               "step 5", first)
     # The sample log is buffered: rank 1's first line (with its pid) may come later.
-    os.kill(_wait_for(lambda: _rank_pid(tmp_path / "s", 1), "rank 1's sample log", first),
+    os.kill(wait_for(lambda: _rank_pid(tmp_path / "s", 1), "rank 1's sample log", first),
             signal.SIGUSR1)
     out, err = first.communicate(timeout=600)
     assert first.returncode == 75, err[-3000:]
