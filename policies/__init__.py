@@ -12,12 +12,13 @@ from .base import Decision, MetricsSnapshot, Param, Policy
 from .gns_batch import GNSBatchSize
 from .lr_rules import LR_RULES, RULE_PARAMS, LRRule, Ramp
 from .autoscale import AutoScale
+from .goodput import Goodput
 from .resize_schedule import ResizeSchedule
 from .schedule import Schedule
 from .straggler import Straggler
 
 __all__ = ["Policy", "Decision", "MetricsSnapshot", "Param", "POLICIES", "register",
-           "GNSBatchSize", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "LRRule", "Ramp", "LR_RULES",
+           "GNSBatchSize", "Goodput", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "LRRule", "Ramp", "LR_RULES",
            "add_policy_arguments", "build_policies", "build_lr_rule", "argparse_type"]
 
 POLICIES: Dict[str, Type[Policy]] = {}
@@ -31,7 +32,7 @@ def register(cls: Type[Policy]) -> Type[Policy]:
     return cls
 
 
-for _cls in (GNSBatchSize, Schedule, ResizeSchedule, AutoScale, Straggler):
+for _cls in (GNSBatchSize, Goodput, Schedule, ResizeSchedule, AutoScale, Straggler):
     register(_cls)
 
 
