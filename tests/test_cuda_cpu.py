@@ -1,0 +1,133 @@
+"""The GPU data plane's device-generic parts, on the CPU: the device choice and its messages,
+the NCCL dtype table, the stream-handle bookkeeping (with a recording stand-in for CUDA
+streams), and the host-staged path with CPU tensors standing in for device tensors. The
+calls into CuPy/NCCL themselves run only where a GPU exists (tests/test_cuda_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpcadapt import CommunicationError, ConfigurationError
+from hpcadapt.cuda.device import INSTALL_HINT, choose_device, gpu_problems
+from hpcadapt.cuda.nccl import nccl_dtype
+from hpcadapt.cuda.streams import StreamHandle
+
+
+def gpus(n):
+    return lambda: n
+
+
+def test_auto_is_the_cpu_without_a_gpu_and_cpu_is_always_the_cpu():
+    assert choose_device("auto", local_rank=0, local_size=2, visible_gpus=gpus(0)).kind == "cpu"
+    c = choose_device("cpu", local_rank=1, local_size=2, visible_gpus=gpus(4))
+    assert (c.kind, c.data_plane, c.torch_device) == ("cpu", "mpi", "cpu")
+
+
+def test_cuda_without_a_gpu_says_what_is_missing_and_how_to_install_it():
+    with pytest.raises(ConfigurationError) as exc:
+        choose_device("cuda", local_rank=0, local_size=1, visible_gpus=gpus(0),
+                      problems=["no GPU is visible", "CuPy is not installed"])
+    text = str(exc.value)
+    assert text.startswith("--device cuda: no GPU is visible; CuPy is not installed; ")
+    assert INSTALL_HINT in text and 'pip install "hpcadapt[cuda]"' in text
+    assert "\n" not in text
+
+
+def test_one_gpu_per_rank_uses_nccl_and_the_local_rank_picks_the_gpu():
+    c = choose_device("auto", local_rank=3, local_size=4, visible_gpus=gpus(4), problems=[])
+    assert (c.kind, c.index, c.shared, c.data_plane) == ("cuda", 3, False, "nccl")
+    assert c.torch_device == "cuda:3"
+
+
+def test_slurm_binding_one_visible_gpu_per_task_is_device_zero_and_not_shared():
+    c = choose_device("cuda", local_rank=1, local_size=2, visible_gpus=gpus(1), problems=[],
+                      local_gpu_ids=["GPU-a", "GPU-b"])
+    assert (c.index, c.shared, c.data_plane) == (0, False, "nccl")
+    c = choose_device("cuda", local_rank=1, local_size=2, visible_gpus=gpus(1), problems=[],
+                      local_gpu_ids=["GPU-a", "GPU-a"])
+    assert (c.index, c.shared, c.data_plane) == (0, True, "host-staged")
+
+
+def test_ranks_sharing_a_gpu_are_host_staged():
+    c = choose_device("cuda", local_rank=1, local_size=2, visible_gpus=gpus(1), problems=[])
+    assert (c.index, c.shared, c.data_plane) == (0, True, "host-staged")
+    assert "NCCL allows one rank per GPU" in c.reason
+
+
+def test_a_gpu_without_nccl_is_host_staged_with_the_reason():
+    c = choose_device("cuda", local_rank=0, local_size=1, visible_gpus=gpus(1),
+                      problems=["CuPy is not installed"])
+    assert c.data_plane == "host-staged" and "CuPy is not installed" in c.reason
+
+
+def test_bad_device_names_list_the_choices():
+    with pytest.raises(ConfigurationError, match=r"--device 'tpu': choose one of \['auto', 'cpu', 'cuda'\]"):
+        choose_device("tpu", local_rank=0, local_size=1)
+
+
+def test_gpu_problems_names_each_missing_part():
+    def no_cupy():
+        raise ImportError("No module named 'cupy'")
+
+    assert gpu_problems(visible_gpus=gpus(0), import_cupy=no_cupy) == [
+        "no GPU is visible (torch.cuda.is_available() is False; check the driver and "
+        "CUDA_VISIBLE_DEVICES)", "CuPy is not installed"]
+
+    class CupyWithoutNccl:
+        class cuda:
+            nccl = None
+
+    assert gpu_problems(visible_gpus=gpus(1), import_cupy=lambda: CupyWithoutNccl) == [
+        "CuPy was built without NCCL"]
+
+
+@pytest.mark.parametrize("dtype,code", [(torch.float32, 7), (torch.float16, 6),
+                                        (torch.bfloat16, 9), (torch.float64, 8)])
+def test_nccl_dtypes_cover_fp32_fp16_bf16(dtype, code):
+    assert nccl_dtype(dtype) == code
+
+
+def test_a_dtype_nccl_cannot_reduce_is_refused_by_name():
+    with pytest.raises(CommunicationError, match="NCCL has no complex64 reduction"):
+        nccl_dtype(torch.complex64)
+
+
+class RecordingOps:
+    """Stands in for CUDA streams and events: records what the data plane asks for."""
+
+    def __init__(self):
+        self.log = []
+        self.finished = set()
+        self._events = 0
+
+    def current_stream(self):
+        return "compute"
+
+    def new_event(self):
+        self._events += 1
+        return f"event{self._events}"
+
+    def record(self, event, stream):
+        self.log.append(("record", event, stream))
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait_event", stream, event))
+
+    def query(self, event):
+        return event in self.finished
+
+    def wait_stream(self, stream, other):
+        self.log.append(("wait_stream", stream, other))
+
+
+def test_a_stream_handle_orders_the_consumer_after_the_collective_without_a_host_sync():
+    ops = RecordingOps()
+    h = StreamHandle(ops, "comm", "result", after=lambda: ops.log.append(("launch",)))
+    assert ops.log == [("launch",), ("record", "event1", "comm")]  # event after the launch
+    assert not h.test()
+    ops.finished.add("event1")
+    assert h.test()
+    assert h.wait() == "result" and h.wait() == "result"
+    assert ops.log[-1] == ("wait_event", "compute", "event1")
+    assert sum(1 for e in ops.log if e[0] == "wait_event") == 1  # waited once
