@@ -18,7 +18,7 @@ from typing import List, Optional, Protocol, Sequence
 
 from .errors import AllocationError, ConfigurationError
 
-__all__ = ["Allocator", "Worker", "LocalAllocator", "LAUNCHERS"]
+__all__ = ["Allocator", "Worker", "LocalAllocator", "LAUNCHERS", "find_mpiexec"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,18 @@ def launcher_free_environ() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
 
 
+def find_mpiexec(given: Optional[str]) -> str:
+    """``given``, else the mpiexec beside this Python, else the one on PATH."""
+    if given:
+        return given
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = beside if os.path.exists(beside) else shutil.which("mpiexec")
+    if not found:
+        raise AllocationError("no mpiexec to start workers with; install an MPI or pass "
+                              "--launcher spawn")
+    return found
+
+
 class LocalAllocator:
     """Slots on this host, up to ``max_workers`` in all."""
 
@@ -140,14 +152,7 @@ class LocalAllocator:
         return self.max_workers
 
     def _find_mpiexec(self) -> str:
-        if self._mpiexec:
-            return self._mpiexec
-        beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        found = beside if os.path.exists(beside) else shutil.which("mpiexec")
-        if not found:
-            raise AllocationError("no mpiexec to start workers with; install an MPI or pass "
-                                  "--launcher spawn")
-        return found
+        return find_mpiexec(self._mpiexec)
 
     def launch(self, argvs: Sequence[Sequence[str]], env: dict) -> List[Worker]:
         workers: List[Worker] = []
@@ -170,11 +175,23 @@ class LocalAllocator:
     def released(self, count: int) -> None:
         log.debug("%d local slots released", count)
 
-    def close(self) -> None:
+    def reap(self) -> int:
+        """Collect the launchers of workers that have exited (no zombie per grow/shrink
+        cycle); cheap enough for every step boundary. Returns how many were collected."""
+        alive = []
+        for w in self._workers:
+            if isinstance(w, _ProcessWorker) and w.proc.poll() is not None:
+                continue
+            alive.append(w)
+        collected = len(self._workers) - len(alive)
+        self._workers = alive
+        return collected
+
+    def close(self, timeout: float = 30.0) -> None:
         for w in self._workers:
             if isinstance(w, _ProcessWorker):
                 try:
-                    w.proc.wait(timeout=30)
+                    w.proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     log.warning("worker %d still running at exit; killing it", w.proc.pid)
                     w.stop()

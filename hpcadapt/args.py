@@ -90,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "MPICH run mpiexec with -disable-auto-cleanup)")
     e.add_argument("--join-timeout", type=positive_float, default=120.0,
                    help="seconds a grow may wait for its workers before it is abandoned")
+    e.add_argument("--peer-timeout", type=positive_float, default=30.0,
+                   help="a wait on another worker (gradient allreduce, state transfer, a "
+                        "join) ends as a failure after max(this, 20 x the median step time) "
+                        "when that worker's liveness cannot be seen (another node); a dead "
+                        "worker on this node is noticed within 0.2 s. A failure saves the "
+                        "last committed state to --checkpoint and exits with 75")
     e.add_argument("--slurm-partition", default=None,
                    help="partition for added nodes (default: the job's own)")
     e.add_argument("--slurm-pending-timeout", type=positive_float, default=60.0,

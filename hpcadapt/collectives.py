@@ -12,12 +12,12 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
-from mpi4py import MPI
+from . import runtime as _runtime  # noqa: F401 (first: it sets MPI's environment)
+from mpi4py import MPI  # noqa: E402
 
 from . import config
 from .buffers import Array, as_buffer, layout_signature
 from .errors import CommunicationError
-from . import runtime as _runtime
 from .runtime import World, world as current_world
 
 __all__ = [
@@ -43,9 +43,12 @@ _MPI_OPS = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 class Handle:
     """An operation in flight. ``wait()`` returns its result; ``test()`` says if it is done."""
 
-    def __init__(self, request: Optional[MPI.Request], finish: Callable[[], Any]):
+    def __init__(self, request: Optional[MPI.Request], finish: Callable[[], Any],
+                 watch: Optional[_runtime.PeerWatch] = None, what: str = "a collective"):
         self._request = request
         self._finish = finish
+        self._watch = watch
+        self._what = what
         self._result: Any = None
         self._done = False
 
@@ -57,9 +60,15 @@ class Handle:
         return self._done
 
     def wait(self) -> Any:
+        """The result; a wait on peers is bounded (``runtime.PeerWatch``): PeerFailure when
+        a peer is dead or silent past the deadline, instead of waiting forever."""
         if not self._done:
-            if self._request is not None:
-                self._request.Wait()
+            request = self._request
+            if request is not None and not request.Test():
+                if self._watch is not None:
+                    self._watch.wait(request, self._what)
+                else:
+                    request.Wait()
             self._complete()
         return self._result
 
@@ -114,7 +123,7 @@ class MPICommunicator:
             write_back()
             return x
 
-        return Handle(request, finish)
+        return Handle(request, finish, getattr(self._world, "watch", None), "an allreduce")
 
     def broadcast_async(self, x: Array, root: int = 0) -> Handle:
         self._check_root(root)
@@ -126,7 +135,7 @@ class MPICommunicator:
             write_back()
             return x
 
-        return Handle(request, finish)
+        return Handle(request, finish, getattr(self._world, "watch", None), "a broadcast")
 
     def allgather_async(self, x: Array) -> Handle:
         buf, _ = as_buffer(x)
@@ -137,10 +146,10 @@ class MPICommunicator:
         def finish() -> Array:
             return torch.from_numpy(out) if isinstance(x, torch.Tensor) else out
 
-        return Handle(request, finish)
+        return Handle(request, finish, getattr(self._world, "watch", None), "an allgather")
 
     def barrier_async(self) -> Handle:
-        return Handle(self.comm.Ibarrier(), lambda: None)
+        return Handle(self.comm.Ibarrier(), lambda: None, getattr(self._world, "watch", None), "a barrier")
 
     # -- blocking: direct calls, no request object, so small messages stay cheap ------
     def allreduce(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Array:

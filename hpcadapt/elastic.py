@@ -18,21 +18,27 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
-from mpi4py import MPI
+
+from . import runtime as _rt  # noqa: F401 (first: it sets MPI's environment)
+from mpi4py import MPI  # noqa: E402
 
 from .allocator import Allocator, Worker
 from .config import JOIN_DIR_VARIABLE
 from .errors import AllocationError, MembershipError
-from .runtime import World
+from .runtime import PeerFailure as PeerFailureType
+from .runtime import PeerWatch, World, wait_request
 
 __all__ = ["ElasticController", "JoinTicket", "join_running_job", "accept_joiners",
-           "split_leavers", "ResizeOutcome"]
+           "split_leavers", "ResizeOutcome", "JoinAborted"]
 
 log = logging.getLogger(__name__)
 
@@ -103,31 +109,141 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 _JOIN_TAG = 7707
+_PING_TAG = 7708
+ACCEPT_TIMEOUT = 30.0   # seconds a joiner given its turn may take to connect
+
+
+class JoinAborted(Exception):
+    """A join given up on every rank taking part (a joiner died or never connected); the
+    running job's communicator is unchanged."""
+
+
+def _release_accept(port: str, thread: threading.Thread) -> float:
+    """End an ``MPI_Comm_accept`` blocked in ``thread`` whose joiner will never connect.
+    MPICH cannot cancel an accept, and connecting to one's own port from the same process
+    hangs; a tiny process of its own (``mpiexec -n 1``, mpi4py only, about 0.3 s) connects
+    and disconnects. Returns the seconds it took (NaN when the accept stayed blocked)."""
+    from .allocator import find_mpiexec, launcher_free_environ
+
+    t0 = time.perf_counter()
+    code = ("import sys\nfrom mpi4py import MPI\n"
+            "c = MPI.COMM_SELF.Connect(sys.argv[1])\nc.Disconnect()\n")
+    try:
+        proc = subprocess.Popen([find_mpiexec(None), "-n", "1", sys.executable, "-c", code, port],
+                                env=launcher_free_environ(), stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        log.error("could not start the process that releases a pending accept: %s", exc)
+        return float("nan")
+    thread.join(timeout=30)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return float("nan") if thread.is_alive() else time.perf_counter() - t0
+
+
+def _accept_watched(port: str, worker: Optional[Worker], timeout: float):
+    """Rank 0: accept one joiner while watching it (its launcher's exit) and the clock.
+    Returns (intercommunicator, "") or (None, why)."""
+    box = {}
+
+    def accept() -> None:
+        box["inter"] = MPI.COMM_SELF.Accept(port, root=0)
+
+    thread = threading.Thread(target=accept, name="hpcadapt-accept", daemon=True)
+    t0 = time.perf_counter()
+    thread.start()
+    why = ""
+    while thread.is_alive():
+        thread.join(0.01)
+        if not thread.is_alive():
+            break
+        dead = worker.failed() if worker is not None else None
+        if dead:
+            why = f"joining worker {dead.replace(' during start-up', '')} before it connected"
+        elif time.perf_counter() - t0 > timeout:
+            why = f"joining worker did not connect within {timeout:.0f} s"
+            if worker is not None:
+                worker.stop()
+        if why:
+            took = _release_accept(port, thread)
+            log.info("pending accept released in %.2f s", took)
+            inter = box.get("inter")
+            if inter is not None:
+                inter.Disconnect()
+            return None, why
+    return box["inter"], ""
 
 
 def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
-                   directory: str = "") -> MPI.Intracomm:
+                   directory: str = "", workers: Sequence[Worker] = (),
+                   watch: Optional[PeerWatch] = None,
+                   accept_timeout: float = ACCEPT_TIMEOUT,
+                   on_bridge=None) -> MPI.Intracomm:
     """Collective over ``comm`` (running job plus joiners merged so far): admit ``count``
     joiners one at a time; returns the merged communicator (``comm`` itself is kept).
 
     Only rank 0 accepts (on its own), which gives a two-process bridge to the joiner; the
     whole job then builds an intercommunicator to the joiner across that bridge. (A
     collective Accept over a job whose processes came from several launches crashed MPICH
-    here; the bridge needs the new connection on rank 0 only.)"""
+    here; the bridge needs the new connection on rank 0 only.)
+
+    Rank 0 accepts in a helper thread while it watches the joiner (``workers``: its
+    launcher's exit) and a deadline, and hears from the joiner (a ping) before anything
+    collective involves it; the others wait (bounded) for rank 0's word. ``on_bridge(bridge,
+    watch)`` (rank 0) then sends the joiner the state over the two-process bridge, with waits
+    bounded by ``watch`` (the joiner's pid and launcher), before anything involves the whole
+    job: a joiner dying until then (the state transfer included) raises JoinAborted on every
+    rank, and ``comm`` still works. What is left unpolled (Create_intercomm, Merge: a few
+    milliseconds) is the caller's to guard (``runtime.Watchdog``)."""
     current = comm
     remaining = np.array([count], dtype=np.int64)
     while True:
-        current.Bcast(remaining, root=0)
+        wait_request(current.Ibcast(remaining, root=0), watch, "a join")
         if remaining[0] == 0:
             return current
         bridge = MPI.COMM_SELF
+        status = np.array([1], dtype=np.int64)
+        why = ""
         if current.Get_rank() == 0:
+            index = count - int(remaining[0])
+            worker = workers[index] if index < len(workers) else None
             # Joiners connect one at a time, in their id order, when given the turn:
             # concurrent connects to one port crashed MPICH here.
-            _write_atomic(os.path.join(directory, f"turn-{count - int(remaining[0])}"), "go")
-            inter = MPI.COMM_SELF.Accept(port, root=0)
-            bridge = inter.Merge(high=False)
-            inter.Disconnect()
+            _write_atomic(os.path.join(directory, f"turn-{index}"), "go")
+            inter, why = _accept_watched(port, worker, accept_timeout)
+            if inter is not None:
+                ping = np.zeros(1, dtype=np.int64)
+                try:
+                    wait_request(inter.Irecv(ping, source=0, tag=_PING_TAG),
+                                 _JoinerWatch(worker), "a joiner's first word",
+                                 deadline_s=accept_timeout)
+                except PeerFailureType as exc:
+                    why = f"joining worker lost after it connected: {exc}"
+                    inter = None  # not disconnected: its peer is gone
+            if inter is None:
+                status[0] = 0
+            else:
+                bridge = inter.Merge(high=False)
+                inter.Disconnect()
+                if on_bridge is not None:
+                    bridge_watch = PeerWatch(0, [(1, int(ping[0]))], blind=False)
+                    if worker is not None:
+                        bridge_watch.sources.append(
+                            lambda: (-1, f"joining worker {worker.failed()}")
+                            if worker.failed() else None)
+                    try:
+                        on_bridge(bridge, bridge_watch)
+                    except PeerFailureType as exc:
+                        why = f"joining worker lost during the state transfer: {exc}"
+                        status[0] = 0
+                        bridge = MPI.COMM_SELF  # not freed: its peer is gone
+        wait_request(current.Ibcast(status, root=0), watch, "a join")
+        if not status[0]:
+            if current is not comm:
+                current.Free()
+            raise JoinAborted(why or "rank 0 gave the join up")
         inter = current.Create_intercomm(0, bridge, 1, tag=_JOIN_TAG)
         merged = inter.Merge(high=False)
         inter.Disconnect()
@@ -140,10 +256,10 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
             remaining[0] -= 1
 
 
-def join_running_job(ticket: JoinTicket) -> MPI.Intracomm:
-    """In a joining worker: say it is ready, connect to rank 0 of the running job, join the
-    whole job across that bridge, and take part in admitting the joiners after it; returns
-    the job's new communicator."""
+def join_running_job(ticket: JoinTicket, on_bridge=None) -> MPI.Intracomm:
+    """In a joining worker: say it is ready, connect to rank 0 of the running job, receive
+    the state over that bridge (``on_bridge(bridge)``), join the whole job across it, and
+    take part in admitting the joiners after it; returns the job's new communicator."""
     try:
         with open(ticket.port_file(), encoding="utf-8") as f:
             port = f.read().strip()
@@ -153,15 +269,39 @@ def join_running_job(ticket: JoinTicket) -> MPI.Intracomm:
     _write_atomic(ticket.ready_file(), str(os.getpid()))
     turn = os.path.join(ticket.directory, f"turn-{ticket.worker_id}")
     while not os.path.exists(turn):
+        if not os.path.isdir(ticket.directory):
+            raise MembershipError(f"the join folder {ticket.directory} is gone: the job "
+                                  f"gave up the grow")
         time.sleep(0.005)
     inter = MPI.COMM_WORLD.Connect(port, root=0)
+    ping = np.array([os.getpid()], dtype=np.int64)
+    wait_request(inter.Isend(ping, dest=0, tag=_PING_TAG), None, "the first word to the job")
     bridge = inter.Merge(high=True)
     inter.Disconnect()
+    if on_bridge is not None:
+        on_bridge(bridge)
     inter = MPI.COMM_WORLD.Create_intercomm(0, bridge, 0, tag=_JOIN_TAG)
     merged = inter.Merge(high=True)
     inter.Disconnect()
     bridge.Free()
     return accept_joiners(merged, port, 0, ticket.directory)
+
+
+class _JoinerWatch:
+    """A PeerWatch-like view of one joining worker: dead when its launcher has exited."""
+
+    blind = True
+
+    def __init__(self, worker: Optional[Worker]):
+        self.worker = worker
+
+    def wait(self, request, what, deadline_s=None):
+        watch = PeerWatch(-1, [])
+        if self.worker is not None:
+            worker = self.worker
+            watch.sources.append(lambda: (-1, f"joining worker {worker.failed()}")
+                                 if worker.failed() else None)
+        watch.wait(request, what, deadline_s)
 
 
 def split_leavers(comm: MPI.Intracomm, leavers: Sequence[int]) -> Optional[MPI.Intracomm]:
@@ -190,6 +330,7 @@ class ElasticController:
         self.join_timeout = join_timeout
         self.min_workers = min_workers
         self.join_root = join_root
+        self.accept_timeout = ACCEPT_TIMEOUT
         self.pending: Optional[_PendingGrow] = None
         self.growing = False   # known on every rank: a grow is pending
         self.left = False      # this process has left the job
@@ -268,14 +409,18 @@ class ElasticController:
                 status[0] = ABANDON
                 detail = (f"{sum(not r for r in ready)} of {len(ready)} joining workers not "
                           f"ready after {self.join_timeout:.0f} s")
-        self.world.comm.Bcast(status, root=0)
+        wait_request(self.world.comm.Ibcast(status, root=0), self.world.watch,
+                     "the grow's status")
         return int(status[0]), int(status[1]), detail
 
-    def join(self, count: int) -> MPI.Intracomm:
+    def join(self, count: int, on_bridge=None) -> MPI.Intracomm:
         """Every rank of the running job: accept the joiners; returns the new communicator."""
         port = self.pending.port if self.pending is not None else ""
         directory = self.pending.directory if self.pending is not None else ""
-        new = accept_joiners(self.world.comm, port, count, directory)
+        workers = self.pending.workers if self.pending is not None else []
+        new = accept_joiners(self.world.comm, port, count, directory, workers,
+                             self.world.watch, min(self.accept_timeout, self.join_timeout),
+                             on_bridge)
         self._finish_grow()
         return new
 

@@ -38,7 +38,7 @@ from . import config
 from . import runtime as world_mod
 from .collectives import ReduceOp, communicator
 from .engine import PolicyEngine
-from .errors import ConfigurationError, HpcAdaptError, on_every_rank
+from .errors import ConfigurationError, HpcAdaptError, MembershipError, on_every_rank
 from .loader import ElasticDataLoader, WalkKey, split_micro
 from .metrics import DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord
 from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
@@ -74,6 +74,7 @@ class JobOptions:
     allocator: str = "auto"
     launcher: str = "process"
     join_timeout: float = 120.0
+    peer_timeout: float = 30.0
     slurm_partition: Optional[str] = None
     slurm_pending_timeout: float = 60.0
     slurm_mpi: str = "pmi2"
@@ -211,6 +212,10 @@ class Job:
             unblock_stop_signals()
         self.world = world_mod.init()
         setup_logging(lambda: self.world.rank)
+        # Every wait on a peer is bounded (runtime.PeerWatch); a stop signal is seen there.
+        self.world.watch.floor = o.peer_timeout
+        self.world.watch.stop_flag = lambda: bool(self.stop_signals is not None
+                                                  and self.stop_signals.received)
         from hpcadapt.policies.lr_rules import LRRule
 
         self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
@@ -282,6 +287,7 @@ class Job:
         self.elastic = ElasticController(self.world, self.allocator, joiner_argv(),
                                          join_timeout=o.join_timeout,
                                          min_workers=o.min_workers, join_root=join_root)
+        self.elastic.accept_timeout = o.peer_timeout
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               loader: ElasticDataLoader, *, extra: Optional[Mapping[str, Any]] = None,
@@ -483,7 +489,10 @@ class Job:
     def _finish_step(self, clip_grad_norm: Optional[float] = None) -> None:
         st = self.state
         t1 = time.perf_counter()
-        stats = self.optimizer.synchronize()
+        try:
+            stats = self.optimizer.synchronize()
+        except world_mod.PeerFailure as exc:
+            self._fail(exc)  # does not return
         t2 = time.perf_counter()
         self._read_control(stats.extras, self._part.global_count)
         # The global loss arrived with the gradients: every rank sees the same value, so all
@@ -510,6 +519,7 @@ class Job:
         t3 = time.perf_counter()
         self._prev_local = (t3 - self._t_step, t1 - self._t_step, t2 - t1)
         self._step_time = t3 - self._t_step
+        self.world.watch.note_step(self._step_time)
         self._last_count = self._part.global_count
         self._step_open = False
 
@@ -600,6 +610,8 @@ class Job:
             self._hook("after_step")
         if not self.left:
             self._poll_elastic()
+        if self.allocator is not None and hasattr(self.allocator, "reap"):
+            self.allocator.reap()  # launchers of workers that exited: no zombies
         return not self.left
 
     def _over(self) -> bool:
@@ -706,31 +718,172 @@ class Job:
         self._after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
 
     def _poll_elastic(self) -> None:
-        from .elastic import ABANDON, JOIN, ResizeOutcome
+        from .elastic import ABANDON, JOIN, JoinAborted, ResizeOutcome
 
         if self.elastic is None or not self.elastic.growing:
             return
-        status, joiners, detail = self.elastic.poll_grow()
+        try:
+            status, joiners, detail = self.elastic.poll_grow()
+        except world_mod.PeerFailure as exc:
+            self._fail(exc)
         if status == ABANDON:
             self._record_resize(self.elastic.abandon(detail))
         elif status == JOIN:
             t0 = time.perf_counter()
             decided = self.elastic.decided_at()
             reason = self.elastic.pending.reason if self.elastic.pending else ""
-            old = self.world.size
-            self.world.replace(self.elastic.join(joiners))
-            self._sync_state(receiving=False)
+            old, version = self.world.size, self.world.cluster_version
+            workers = list(self.elastic.pending.workers) if self.elastic.pending else []
+            previous, merged = self.world.comm, None
+            try:
+                # What cannot be polled between the joiner's first word and the
+                # confirmation (Create_intercomm, Merge) runs under a watchdog.
+                with self._join_watchdog(workers):
+                    # Rank 0 sends each joiner the state over its own bridge before the
+                    # whole job takes it in: a joiner dying until then is abandoned.
+                    merged = self.elastic.join(joiners, self._send_state_over_bridge)
+                    self.world.replace(merged, keep_old=True)
+                    self._confirm_join()
+            except JoinAborted as exc:
+                self._record_resize(self.elastic.abandon(str(exc)))
+                return
+            except world_mod.PeerFailure as exc:
+                if merged is None:
+                    self._fail(exc)  # a rank of the running job itself failed
+                # A joiner died after it merged: back to the old world, which holds only
+                # the ranks that trained on (their state is untouched); the merged
+                # communicator is left unfreed (freeing it would wait on the dead).
+                self.world.replace(previous, version=version, keep_old=True)
+                self.optimizer._ensure_current()
+                if self.world.rank == 0:
+                    for w in workers:
+                        w.stop()
+                self._record_resize(ResizeOutcome(
+                    old, self.world.size, f"{reason}; abandoned: a joining worker died "
+                    f"while it merged ({exc})", 0.0, False))
+                return
+            if previous != MPI_COMM_NULL():
+                previous.Free()
             self._after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
                                decided)
+
+    def _join_watchdog(self, workers):
+        """The watchdog around a join's blocking steps: a joining worker whose launcher has
+        exited (rank 0 sees it), a dead peer of the old world, or the --peer-timeout
+        deadline ends the job as a failure does (state saved by rank 0, exit 75)."""
+        old_watch = self.world.watch
+        first_seen: Dict[str, float] = {}
+
+        def check() -> Optional[str]:
+            # A death the join's own bounded waits handle (the pending accept, the first
+            # word, the state transfer) is given a few seconds to be handled there.
+            reasons = [f"a joining worker {w.failed().replace(' during start-up', '')}"
+                       for w in workers if w.failed()]
+            dead = old_watch.dead()
+            if dead:
+                reasons.append(dead[1])
+            now = time.perf_counter()
+            for reason in reasons:
+                if now - first_seen.setdefault(reason, now) > 5.0:
+                    return reason
+            return None
+
+        def expire(reason: str) -> None:
+            self._fail(world_mod.PeerFailure(reason, cause="join"))
+
+        return world_mod.Watchdog(self.options.peer_timeout, "a join", expire, check)
+
+    def _send_state_over_bridge(self, bridge, watch) -> None:
+        """Rank 0, during a join: the state to one joiner over their two-process bridge."""
+        watch.floor = self.options.peer_timeout
+        view = _CommView(bridge, self.world.cluster_version + 1)
+        view.watch = watch
+        self.state.broadcast(view, is_root=True)
+
+    def _receive_state_over_bridge(self, bridge) -> None:
+        """A joiner: the state from rank 0 over the bridge (bounded by --peer-timeout)."""
+        watch = world_mod.PeerWatch(1, [], blind=True)
+        watch.floor = self.options.peer_timeout
+        view = _CommView(bridge, -1)
+        view.watch = watch
+        self._joined_version = self.state.broadcast(view, is_root=False)
+
+    def _confirm_join(self) -> None:
+        """Every rank of a grown world, after the state transfer: one bounded allreduce that
+        completes only when every member (the joiners too) is alive and has the state."""
+        one = np.ones(1, dtype=np.int64)
+        wait = world_mod.wait_request
+        from mpi4py import MPI
+
+        wait(self.world.comm.Iallreduce(MPI.IN_PLACE, one, op=MPI.SUM), self.world.watch,
+             "the join's confirmation")
+
+    def _fail(self, exc: "world_mod.PeerFailure") -> None:
+        """A peer died (or stayed silent past the deadline) in the middle of a step or a
+        resize. The world's communicator cannot be used any more (MPICH neither errors nor
+        completes a collective with a dead peer), so this rank ends the job: rank 0 saves
+        the last committed state (the step in flight has changed nothing yet: the optimizer
+        has not stepped, the cursor not moved) to --checkpoint, and every survivor exits
+        with 75 so that the job script requeues and resumes from it. Never returns."""
+        st = self.state
+        detected = time.time()
+        who = f"rank {exc.rank}" if exc.rank >= 0 else "a peer"
+        log.error("%s of %d failed at step %d (%s); detected at %s: ending the job with the "
+                  "state of step %d (exit %d)", who, self.world.size, st.step if st else 0,
+                  exc, time.strftime("%H:%M:%S", time.localtime(detected)) +
+                  f".{int(detected * 1000) % 1000:03d}", st.step if st else 0, EXIT_REQUEUE)
+        code = EXIT_REQUEUE
+        if self.world.rank == 0 and st is not None:
+            self.sink.write({"event": "failure", "rank": exc.rank, "cause": exc.cause,
+                             "detail": str(exc), "step": st.step, "epoch": st.epoch,
+                             "world_size": self.world.size, "detected_unix": detected,
+                             "waited_s": exc.waited_s,
+                             "cluster_version": self.world.cluster_version})
+            if self.options.checkpoint and not self.joining:
+                self.stopped = "peer failure"
+                if not self._save_for_stop(f"the failure of {who}"):
+                    code = 1
+        self.sink.close()
+        if self._sample_file is not None:
+            self._sample_file.close()
+        if self.elastic is not None and self.elastic.pending is not None \
+                and self.world.rank == 0:
+            for w in self.elastic.pending.workers:
+                w.stop()
+        if self.allocator is not None:
+            try:
+                self.allocator.close(10.0)   # joined workers end on their own; then killed
+            except Exception as err:  # pragma: no cover - best effort on the way out
+                log.error("could not stop the joined workers: %s", err)
+        world_mod.leave_with_launch_siblings(5.0)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     def _join(self) -> None:
         """A worker started for a grow: connect, merge, receive the state."""
         from .elastic import JoinTicket, ResizeOutcome, join_running_job
 
+        from .elastic import JoinAborted
+
         self._drop_spawn_parent()
         ticket = JoinTicket.claim(self._join_dir)
-        self.world.replace(join_running_job(ticket))
-        self._sync_state()
+        def expire(reason: str) -> None:
+            log.error("the join was given up (%s): this worker exits", reason)
+            logging.shutdown()
+            os._exit(3)
+
+        try:
+            with world_mod.Watchdog(self.options.peer_timeout, "joining the job", expire):
+                self.world.replace(join_running_job(ticket, self._receive_state_over_bridge),
+                                   version=self._joined_version)
+                self._confirm_join()
+        except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
+            log.error("the join was given up (%s): this worker exits", exc)
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(3)
         self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
@@ -754,9 +907,10 @@ class Job:
         part = self.world.comm.Split(0 if (receiving or rank == 0) else MPI.UNDEFINED, rank)
         if part == MPI.COMM_NULL:
             return
+        view = _CommView(part, self.world.cluster_version)
+        view.watch = self.world.watch
         try:
-            version = self.state.broadcast(_CommView(part, self.world.cluster_version),
-                                           is_root=rank == 0)
+            version = self.state.broadcast(view, is_root=rank == 0)
         finally:
             part.Free()
         if rank != 0 and version != self.world.cluster_version:
@@ -1103,6 +1257,12 @@ def _unwritable(flag: str, path: str) -> str:
         return (f"{flag} {path}: cannot write in {folder} ({exc.strerror}); pass a path in a "
                 f"writable folder")
     return ""
+
+
+def MPI_COMM_NULL():
+    from mpi4py import MPI
+
+    return MPI.COMM_NULL
 
 
 def _momentum_of(group: Mapping[str, Any]) -> float:

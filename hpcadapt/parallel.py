@@ -17,13 +17,14 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
+from . import runtime as _runtime  # noqa: F401 (first: it sets MPI's environment)
+from mpi4py import MPI  # noqa: E402
 
 from . import config
 from .collectives import Handle, MPICommunicator, ReduceOp, check_same_layout, communicator
 from .errors import CommunicationError, ConfigurationError
 from .fusion import Bucket, plan_buckets
-from .runtime import World, world as current_world
+from .runtime import World, wait_request, world as current_world
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object_state", "GradientStats"]
@@ -326,14 +327,19 @@ class DistributedOptimizer:
         self._hooks.clear()
 
 
+def _bcast(comm: MPI.Intracomm, buf: np.ndarray, root: int, watch) -> None:
+    """A broadcast whose wait is bounded (PeerFailure when a peer is dead or silent)."""
+    wait_request(comm.Ibcast(buf, root=root), watch, "a state broadcast")
+
+
 def _pack_broadcast(tensors: Sequence[torch.Tensor], root: int, comm: MPI.Intracomm,
-                    bucket_bytes: int) -> None:
+                    bucket_bytes: int, watch=None) -> None:
     for group in plan_buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in group]
         bucket = Bucket.for_tensors(members)
         if comm.Get_rank() == root:
             bucket.pack(members)
-        comm.Bcast(bucket.flat.numpy(), root=root)
+        _bcast(comm, bucket.flat.numpy(), root, watch)
         with torch.no_grad():
             bucket.unpack(members)
 
@@ -344,7 +350,7 @@ def broadcast_parameters(tensors: Sequence[torch.Tensor], *, root: int = 0,
     """Overwrite ``tensors`` (parameters, buffers) on every rank with root's values."""
     w = world if world is not None else current_world()
     tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for t in tensors]
-    _pack_broadcast(tensors, root, w.comm, bucket_bytes)
+    _pack_broadcast(tensors, root, w.comm, bucket_bytes, getattr(w, "watch", None))
 
 
 def broadcast_object_state(state: Optional[dict], *, root: int = 0,
@@ -362,10 +368,11 @@ def broadcast_object_state(state: Optional[dict], *, root: int = 0,
         n = np.array([data.size], dtype=np.int64)
     else:
         n = np.zeros(1, dtype=np.int64)
-    comm.Bcast(n, root=root)
+    watch = getattr(w, "watch", None)
+    _bcast(comm, n, root, watch)
     if comm.Get_rank() != root:
         data = np.empty(int(n[0]), dtype=np.uint8)
-    comm.Bcast(data, root=root)
+    _bcast(comm, data, root, watch)
     if comm.Get_rank() == root:
         return state
     return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
@@ -407,6 +414,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, *, root: int = 0
             return obj
         state = build(skeleton)
     if tensors:
-        _pack_broadcast(tensors, root, w.comm, 16 * 1024 * 1024)
+        _pack_broadcast(tensors, root, w.comm, 16 * 1024 * 1024, getattr(w, "watch", None))
     if not is_root:
         optimizer.load_state_dict(state)

@@ -6,15 +6,29 @@ per-world resources (fusion buckets, NCCL communicators) compares versions to re
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import statistics
+import time
+import zlib
+from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
-from mpi4py import MPI
+import numpy as np
+
+# UCX's cross-memory-attach transport aborts the whole process ("process_vm_readv ...
+# No such process") when a peer dies in the middle of a transfer, so a dead worker would
+# take every survivor with it; the shared-memory copy transports do the same work here
+# (ddp benchmark unchanged). Set before MPI starts; an explicit UCX_TLS is kept.
+os.environ.setdefault("UCX_TLS", "^cma")
+from mpi4py import MPI  # noqa: E402
 
 from . import config
 from .errors import ConfigurationError
 
-__all__ = ["WorldInfo", "World", "init", "world", "is_initialized", "shutdown"]
+__all__ = ["WorldInfo", "World", "init", "world", "is_initialized", "shutdown", "PeerFailure",
+           "PeerWatch", "wait_request", "PEER_TIMEOUT_FLOOR"]
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +55,33 @@ class World:
         self._comm: Optional[MPI.Intracomm] = comm
         self._own = own
         self._version = cluster_version
-        self._local: Optional[MPI.Intracomm] = None
         self._derive()
 
     def _derive(self) -> None:
         comm = self.comm
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
-        if self._local is not None:
-            self._local.Free()
-        # Processes that share memory form one node; their rank order decides local ranks.
-        self._local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank: int = self._local.Get_rank()
-        self.local_size: int = self._local.Get_size()
+        # Every rank learns where every other one runs (node, pid): processes on one node
+        # form the node (rank order decides local ranks), and a peer on this node whose pid
+        # is gone is known dead while we wait for it (liveness without heartbeats).
+        mine = np.array([_node_key(), os.getpid()], dtype=np.int64)
+        table = np.empty((self.size, 2), dtype=np.int64)
+        old = getattr(self, "watch", None)
+        # A new member's pid is not known yet: this wait has a plain deadline.
+        wait_request(comm.Iallgather(mine, table), old, "the world's start",
+                     deadline_s=old.floor if old is not None else None)
+        self.peers: List[Tuple[int, int, int]] = [(r, int(k), int(p))
+                                                  for r, (k, p) in enumerate(table)]
+        same = [r for r, k, _ in self.peers if k == mine[0]]
+        self.local_rank: int = same.index(self.rank)
+        self.local_size: int = len(same)
         self.node_name: str = config.slurm_node_name() or MPI.Get_processor_name()
+        previous = getattr(self, "watch", None)
+        self.watch = PeerWatch(self.rank, [(r, p) for r, k, p in self.peers
+                                           if k == mine[0] and r != self.rank],
+                               blind=len(same) < self.size)
+        if previous is not None:
+            self.watch.inherit(previous)
 
     @property
     def comm(self) -> MPI.Intracomm:
@@ -70,22 +97,25 @@ class World:
         return WorldInfo(self.rank, self.size, self.local_rank, self.local_size,
                          self.node_name, self._version)
 
-    def replace(self, comm: MPI.Intracomm, *, version: Optional[int] = None) -> None:
+    def replace(self, comm: MPI.Intracomm, *, version: Optional[int] = None,
+                keep_old: bool = False) -> Optional[MPI.Intracomm]:
         """Adopt a new communicator after a resize; the version goes up exactly once (or
-        becomes ``version``: a joining worker takes the running job's)."""
+        becomes ``version``: a joining worker takes the running job's). With ``keep_old``
+        the old communicator is returned instead of freed (to fall back to it when the
+        resize fails before it is confirmed)."""
         old = self._comm
         self._comm = comm
         self._version = self._version + 1 if version is None else version
         self._derive()
-        if old is not None and self._own and old != MPI.COMM_NULL:
+        owned, self._own = self._own, True
+        if keep_old:
+            return old if owned else None
+        if old is not None and owned and old != MPI.COMM_NULL:
             old.Free()
-        self._own = True
+        return None
         log.debug("world replaced: size %d, cluster version %d", self.size, self._version)
 
     def free(self) -> None:
-        if self._local is not None:
-            self._local.Free()
-            self._local = None
         if self._comm is not None and self._own:
             self._comm.Free()
         self._comm = None
@@ -133,6 +163,56 @@ def shutdown() -> None:
     wait_for_launch_siblings()
 
 
+class Watchdog:
+    """A last resort around blocking MPI calls that cannot be polled (MPI_Comm_accept's
+    followers: Create_intercomm, Merge, Split with a joiner): while the block runs, a thread
+    checks ``check()`` (a reason, or None) and the clock every 0.1 s and calls
+    ``on_expire(reason)`` when either fires. ``on_expire`` ends the process (it cannot
+    unblock MPI); a block that finishes first disarms it."""
+
+    def __init__(self, seconds: float, what: str, on_expire: Callable[[str], None],
+                 check: Optional[Callable[[], Optional[str]]] = None):
+        import threading
+
+        self.seconds, self.what = seconds, what
+        self.on_expire, self.check = on_expire, check
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hpcadapt-watchdog",
+                                        daemon=True)
+
+    def __enter__(self) -> "Watchdog":
+        self._t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.1):
+            reason = self.check() if self.check is not None else None
+            waited = time.perf_counter() - self._t0
+            if reason is None and waited > self.seconds:
+                reason = f"{self.what} still blocked after {waited:.1f} s"
+            if reason is not None and not self._done.is_set():
+                self.on_expire(f"{reason} (in {self.what})")
+                return
+
+
+def leave_with_launch_siblings(timeout_s: float) -> None:
+    """On the way out after a failure: wait (at most ``timeout_s``) for the processes this one
+    was launched with, so that they all exit together and none is killed by the launcher
+    before it has said why it ends (a dead sibling: the launcher ends them all anyway)."""
+    if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    try:
+        wait_request(MPI.COMM_WORLD.Ibarrier(), None, "the launch siblings' exit",
+                     deadline_s=timeout_s)
+    except PeerFailure:
+        pass
+
+
 def wait_for_launch_siblings(poll_s: float = 0.05) -> None:
     """Processes started together by one mpiexec/srun share COMM_WORLD and cannot finalise
     before each other; one that left the training early waits here, sleeping, instead of
@@ -144,3 +224,140 @@ def wait_for_launch_siblings(poll_s: float = 0.05) -> None:
     request = MPI.COMM_WORLD.Ibarrier()
     while not request.Test():
         time.sleep(poll_s)
+
+
+# -- waiting on peers, bounded -----------------------------------------------------------------
+PEER_TIMEOUT_FLOOR = 30.0   # seconds; --peer-timeout
+PEER_TIMEOUT_STEPS = 20     # times the median step time, when that is longer
+
+
+class PeerFailure(Exception):
+    """A peer this process waits on is dead (``rank`` in the world, -1 when unknown) or did
+    not answer within the deadline. Raised from a bounded wait; the communicator involved
+    is no longer usable."""
+
+    def __init__(self, message: str, *, rank: int = -1, waited_s: float = 0.0,
+                 cause: str = "dead"):
+        super().__init__(message)
+        self.rank = rank
+        self.waited_s = waited_s
+        self.cause = cause            # "dead", "timeout" or "stop"
+        self.detected_at = time.time()
+
+
+def _node_key() -> int:
+    """This node, as a number: the host name, the boot and the pid namespace (so pids of
+    two containers on one host are never compared)."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path, encoding="ascii") as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass
+    return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` (on this node) is a live process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+class PeerWatch:
+    """How long a wait on peers may last, and how to tell that a peer is dead.
+
+    Liveness: the pids of the world's peers on this node (checked every ``check_s`` while a
+    wait lasts; a pid gone or a zombie is a dead rank, noticed within a fraction of a
+    second) and any ``sources`` added (callables returning why a peer is dead, or None:
+    rank 0 adds the joiners' launchers). Deadline: ``max(floor, PEER_TIMEOUT_STEPS x the
+    median step time)``, applied only where some peer's liveness cannot be seen (``blind``:
+    peers on other nodes): a slow peer that is alive on this node is waited for. A stop
+    signal noticed while waiting blind (``stop_flag``) shortens the deadline to
+    ``stop_grace_s``: the job then ends, saving what it holds, instead of waiting on."""
+
+    check_s = 0.2
+    spin_s = 0.01        # busy polling first, as MPI_Wait does: short waits cost nothing
+    stop_grace_s = 5.0
+
+    def __init__(self, rank: int, local_peers: List[Tuple[int, int]], *, blind: bool = True):
+        self.rank = rank
+        self.local_peers = local_peers
+        self.blind = blind
+        self.floor = PEER_TIMEOUT_FLOOR
+        self.steps: deque = deque(maxlen=64)
+        self.stop_flag: Optional[Callable[[], bool]] = None
+        self.sources: List[Callable[[], Optional[Tuple[int, str]]]] = []
+
+    def inherit(self, other: "PeerWatch") -> None:
+        self.floor, self.stop_flag = other.floor, other.stop_flag
+        self.steps = other.steps
+
+    def note_step(self, seconds: float) -> None:
+        self.steps.append(seconds)
+
+    def deadline_s(self) -> float:
+        median = statistics.median(self.steps) if self.steps else 0.0
+        return max(self.floor, PEER_TIMEOUT_STEPS * median)
+
+    def dead(self) -> Optional[Tuple[int, str]]:
+        """(rank, why) of a peer known dead now, or None."""
+        for rank, pid in self.local_peers:
+            if not pid_alive(pid):
+                return rank, f"rank {rank} (pid {pid} on this node) is gone"
+        for source in self.sources:
+            found = source()
+            if found is not None:
+                return found
+        return None
+
+    def wait(self, request: MPI.Request, what: str, deadline_s: Optional[float] = None) -> None:
+        """Wait for ``request`` to complete, polling (a 10 ms spin, then short sleeps), or
+        raise PeerFailure."""
+        t0 = time.perf_counter()
+        spin_until = t0 + self.spin_s
+        next_check = t0 + self.check_s
+        limit = t0 + (self.deadline_s() if deadline_s is None else deadline_s)
+        test = request.Test
+        while not test():
+            now = time.perf_counter()
+            if now < spin_until:
+                continue
+            # Naps of 5% of the time waited so far (50 us to 2 ms): a wait ends at most
+            # 5% late, and a long one leaves the core to others.
+            time.sleep(min(0.002, max(5e-5, (now - t0) * 0.05)))
+            if now < next_check:
+                continue
+            next_check = now + self.check_s
+            waited = now - t0
+            found = self.dead()
+            if found is not None:
+                raise PeerFailure(f"{found[1]}; noticed after {waited:.2f} s waiting in {what}",
+                                  rank=found[0], waited_s=waited, cause="dead")
+            if now > limit and (self.blind or deadline_s is not None):
+                raise PeerFailure(f"no answer from a peer for {waited:.1f} s in {what} "
+                                  f"(deadline {limit - t0:.1f} s: --peer-timeout)",
+                                  waited_s=waited, cause="timeout")
+            if self.blind and self.stop_flag is not None and self.stop_flag() \
+                    and waited > self.stop_grace_s:
+                raise PeerFailure(f"a stop signal arrived while waiting {waited:.1f} s in "
+                                  f"{what}", waited_s=waited, cause="stop")
+
+
+def wait_request(request: MPI.Request, watch: Optional[PeerWatch], what: str,
+                 deadline_s: Optional[float] = None) -> None:
+    """Complete ``request``: at once when it is done, else a bounded wait through ``watch``
+    (a plain deadline of PEER_TIMEOUT_FLOOR when there is none)."""
+    if request.Test():
+        return
+    if watch is None:
+        watch = PeerWatch(-1, [])
+    watch.wait(request, what, deadline_s)
