@@ -20,7 +20,8 @@ BENCHMARKS = {
     "allreduce": ("driver_simple", "allreduce throughput: hpcadapt vs mpi4py vs gloo"),
     "ddp": ("driver_simple", "training throughput: hpcadapt vs torch DDP (gloo)"),
     "monitor-overhead": ("driver_simple", "throughput with gradient monitors on vs off"),
-    "adaptive-batch": ("driver_adaptive", "time to accuracy: small, large and gns-batch"),
+    "adaptive-batch": ("driver_adaptive", "time to accuracy on MNIST-1D: fixed batches and "
+                                          "schedules vs gns-batch and goodput"),
     "resize": ("driver_resize", "pause of grow/shrink vs a torchrun restart"),
     "user-api": ("driver_user_api", "training throughput: a user's own script on the public "
                                     "API vs the built-in entry point"),
