@@ -9,10 +9,11 @@ efficiency from the smoothed noise-scale statistics, evaluates every candidate (
 on a powers-of-2 grid in [min, max]; with an allocator, worker counts up to the job's maximum
 and at most twice the largest count measured, Pollux's bound on exploring) and moves to the
 best one when its predicted goodput beats the current configuration's by more than
-``threshold`` (at once when the current batch lies outside [min, max]). Gradient accumulation follows from the batch and the memory cap
-(``--goodput-max-local-batch``, the same value as the runtime's ``--max-local-batch``): a local
-batch above it costs ceil(local/cap) passes, and the model charges them. The learning rate
-follows the batch through ``--lr-rule`` (adascale or sqrt)."""
+``threshold`` (at once when the current batch lies outside [min, max]). Gradient
+accumulation follows from the batch and the memory cap (``--goodput-max-local-batch``, the
+same value as the runtime's ``--max-local-batch``): a local batch above it costs
+ceil(local/cap) passes, and the model charges them. The learning rate follows the batch
+through ``--lr-rule`` (adascale or sqrt)."""
 
 from __future__ import annotations
 

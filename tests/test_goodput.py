@@ -77,7 +77,8 @@ def test_fit_with_one_configuration_uses_the_optimistic_priors():
     fit = gm.fit_step_time([2], [32], [1], compute, step)
     assert not fit.compute_fitted and fit.network_fitted
     per_pass = TRUE.alpha_c + TRUE.beta_c * 32
-    assert fit.alpha_c == pytest.approx(per_pass / 2) and fit.beta_c * 32 == pytest.approx(per_pass / 2)
+    assert fit.alpha_c == pytest.approx(per_pass / 2)
+    assert fit.beta_c * 32 == pytest.approx(per_pass / 2)
     assert fit.beta_n == 0.0 and fit.gamma == 1.0
     # The fitted model reproduces the one measurement.
     assert gm.predict_step_time(fit, 2, 32) == pytest.approx(step[0])
