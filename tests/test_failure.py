@@ -53,6 +53,21 @@ def alive(pid):
         return False
 
 
+def zombie_children(parents):
+    """Zombie processes whose parent is one of ``parents`` (unreaped launchers)."""
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                with open(f"/proc/{e}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] == b"Z" and int(fields[1]) in parents:
+                out.append(int(e))
+    return out
+
+
 def processes_mentioning(text):
     """Live processes whose command line holds ``text`` (the run's unique metrics path)."""
     return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()
@@ -280,6 +295,9 @@ def test_ten_joiners_killed_at_their_ready_file_never_hang(tmp_path):
     assert time.monotonic() - t0 < 600
     rows = _not_done(run)
     assert len(rows) == repetitions
+    # every killed joiner's launcher (mpiexec) was reaped at a step boundary: no zombies
+    ranks = [p for p, d in python_ranks(str(run.metrics)).items() if not d]
+    run.wait_for("the launchers reaped", lambda: not zombie_children(set(ranks)), timeout=30)
     n = len(run.steps())
     run.wait_for("training going on", lambda: len(run.steps()) > n + 5)
     assert all(s["world_size"] == 2 for s in run.steps())
