@@ -27,6 +27,9 @@ EARLY_BLOCKED = (signal.SIGUSR1, signal.SIGTERM)
 
 
 def block_stop_signals() -> None:
+    """Block the early stop signals in this thread and in every thread started after it;
+    call it before anything starts threads (importing numpy starts its BLAS pool), or a
+    signal may be delivered to such a thread and kill the process."""
     signal.pthread_sigmask(signal.SIG_BLOCK, EARLY_BLOCKED)
 
 

@@ -5,8 +5,14 @@ single rank."""
 
 from __future__ import annotations
 
-if __name__ == "__main__":
-    # First, before torch loads: a stop signal from the scheduler waits until it can be handled.
+import os as _os
+import sys as _sys
+
+if __name__ == "__main__" or _os.path.basename(_sys.argv[0]) == "hpcadapt-train":
+    # First, before anything starts a thread (numpy's BLAS pool does at import) or loads
+    # torch: a stop signal from the scheduler waits until it can be handled. Blocked only in
+    # the threads that exist, so this must come before any other; the console script runs
+    # it when its wrapper imports this module.
     from hpcadapt.preemption import block_stop_signals
 
     block_stop_signals()
