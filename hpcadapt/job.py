@@ -1065,6 +1065,8 @@ class Job:
             wait_time=tuple(t.wait_time.tolist()) if t else (),
             rank_samples=tuple(t.samples.tolist()) if t else (),
             max_workers=self._slot_ranks() if self.elastic is not None else self.world.size,
+            min_workers=self.options.min_workers, can_resize=self.elastic is not None,
+            max_local_batch=self.options.max_local_batch,
             cluster_version=self.world.cluster_version,
             resizing=bool(self.elastic is not None and self.elastic.growing))
 

@@ -45,6 +45,9 @@ class MetricsSnapshot:
     wait_time: Tuple[float, ...] = ()
     rank_samples: Tuple[float, ...] = ()
     max_workers: int = 1
+    min_workers: int = 1
+    can_resize: bool = False          # the job has an allocator (--max-workers)
+    max_local_batch: Optional[int] = None  # --max-local-batch: larger shares accumulate
     cluster_version: int = 0
     resizing: bool = False   # a grow is under way (new workers starting)
 

@@ -10,8 +10,8 @@ on a powers-of-2 grid in [min, max]; with an allocator, worker counts up to the 
 and at most twice the largest count measured, Pollux's bound on exploring) and moves to the
 best one when its predicted goodput beats the current configuration's by more than
 ``threshold`` (at once when the current batch lies outside [min, max]). Gradient
-accumulation follows from the batch and the memory cap (``--goodput-max-local-batch``, the
-same value as the runtime's ``--max-local-batch``): a local batch above it costs
+accumulation follows from the batch and the memory cap (the job's ``--max-local-batch``,
+or ``--goodput-max-local-batch`` to override it): a local batch above it costs
 ceil(local/cap) passes, and the model charges them. The learning rate follows the batch
 through ``--lr-rule`` (adascale or sqrt)."""
 
@@ -51,8 +51,8 @@ class Goodput(Policy):
         Param("threshold", fraction, 0.05,
               "move only when the predicted goodput beats the current one by this fraction"),
         Param("max-local-batch", positive_int, None,
-              "memory cap of one forward/backward pass, as given to --max-local-batch "
-              "(policies do not see runtime flags); default: no cap, no accumulation"),
+              "memory cap of one forward/backward pass; default: the job's "
+              "--max-local-batch (none: no accumulation)"),
         Param("min-workers", positive_int, 1,
               "fewest workers the policy asks for when the job can resize"),
     )
@@ -81,8 +81,12 @@ class Goodput(Policy):
     # -- measurements ------------------------------------------------------------------------
     def config(self, snap: MetricsSnapshot) -> Config:
         local = -(-snap.batch_size // snap.world_size)
-        k = int(gm.passes(local, self.cap))
+        k = int(gm.passes(local, self.memory_cap(snap)))
         return snap.world_size, local, k
+
+    def memory_cap(self, snap: MetricsSnapshot) -> Optional[int]:
+        """The per-rank memory cap: this policy's flag, else the job's --max-local-batch."""
+        return self.cap if self.cap is not None else snap.max_local_batch
 
     def record(self, snap: MetricsSnapshot) -> bool:
         """Keep the step time this snapshot carries; False if it has none usable.
@@ -123,7 +127,7 @@ class Goodput(Policy):
 
     def worker_range(self, snap: MetricsSnapshot) -> np.ndarray:
         """Worker counts to consider: the current one alone without an allocator."""
-        self.elastic = self.elastic or snap.max_workers > snap.world_size
+        self.elastic = self.elastic or snap.can_resize or snap.max_workers > snap.world_size
         if not self.elastic:
             self._once("no-allocator", logging.INFO,
                        "goodput: the job cannot resize (no allocator, or no room above %d "
@@ -131,7 +135,7 @@ class Goodput(Policy):
             return np.array([snap.world_size])
         seen = max([int(k.split(",")[0]) for k in self.samples] + [snap.world_size])
         high = int(min(snap.max_workers, 2 * seen))
-        low = int(min(self.min_workers, snap.world_size))
+        low = int(min(max(self.min_workers, snap.min_workers), snap.world_size))
         return np.arange(max(1, low), max(high, low) + 1)
 
     def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
@@ -165,8 +169,8 @@ class Goodput(Policy):
         workers = self.worker_range(snap)
         batches = gm.batch_grid(self.min, self.max)
         grid_n, grid_b = np.meshgrid(workers, batches, indexing="ij")
-        stats = dict(cap=self.cap, base_batch=snap.base_batch_size, grad_sq=snap.grad_sq,
-                     trace_sigma=snap.trace_sigma)
+        stats = dict(cap=self.memory_cap(snap), base_batch=snap.base_batch_size,
+                     grad_sq=snap.grad_sq, trace_sigma=snap.trace_sigma)
         cand = gm.evaluate(params, grid_n.ravel(), grid_b.ravel(), **stats)
         now = gm.evaluate(params, snap.world_size, snap.batch_size, **stats)
         g_now = float(now["goodput"])

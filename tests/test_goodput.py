@@ -294,3 +294,12 @@ def test_policy_moves_a_batch_outside_its_range_at_once():
     for step in range(2, 5):
         d = p.after_step(snapshot(step, batch=16, trace_sigma=1.0))
     assert d is not None and 64 <= d.batch_size <= 256 and "outside [64, 256]" in d.reason
+
+
+def test_policy_reads_the_jobs_memory_cap_and_resizability_from_the_snapshot():
+    """Without its own flags the policy uses the job's --max-local-batch and knows it may
+    change the number of workers (can_resize) even with no room above the current size."""
+    p = Goodput(min=16, max=4096, interval=5, warmup=0, cooldown=0)
+    s = snapshot(5, 256, 2, max_local_batch=64, can_resize=True, min_workers=2)
+    assert p.config(s) == (2, 128, 2)
+    assert list(p.worker_range(s)) == [2] and p.elastic
