@@ -9,7 +9,7 @@ import torch
 
 import hpcadapt
 from hpcadapt.monitor import GradientNoiseScale, estimate_from_replicas
-from hpcadapt.policies import GNSBatchSize, LRRule, Schedule
+from hpcadapt.policies import GNSBatchSize, Schedule
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -1,7 +1,6 @@
 """A user script that sets up one piece of bad input, named by --case."""
 
 import argparse
-import os
 import threading
 
 import torch
