@@ -18,7 +18,7 @@ import time
 from mpi4py import MPI
 
 import user_api_train
-from driver_user_api import loop_throughput, read
+from driver_user_api import run_record
 from hpcadapt import train as builtin_train
 
 
@@ -55,12 +55,7 @@ def main():
             if code not in (None, 0):
                 raise SystemExit(f"{kind} exited with {code}")
             if comm.rank == 0 and rep >= args.warmup:
-                rows = read(metrics)
-                with open(summary, encoding="utf-8") as f:
-                    digest = json.load(f)["model_digest"]
-                runs[kind].append({
-                    "samples_per_s": loop_throughput(rows), "wall_s": wall, "digest": digest,
-                    "final_accuracy": [r for r in rows if r["event"] == "epoch"][-1]["test_accuracy"]})
+                runs[kind].append(run_record(metrics, summary, wall))
     if comm.rank == 0:
         for name in os.listdir(tmp):
             os.unlink(os.path.join(tmp, name))

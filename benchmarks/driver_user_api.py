@@ -37,6 +37,15 @@ def loop_throughput(rows):
     return sum(r["samples_per_s"] * r["epoch_time_s"] for r in epochs) / seconds
 
 
+def run_record(metrics: str, summary: str, wall: float) -> dict:
+    """One measured run: throughput, wall time, final weights' digest and accuracy."""
+    rows = read(metrics)
+    with open(summary, encoding="utf-8") as f:
+        digest = json.load(f)["model_digest"]
+    return {"samples_per_s": loop_throughput(rows), "wall_s": wall, "digest": digest,
+            "final_accuracy": [r for r in rows if r["event"] == "epoch"][-1]["test_accuracy"]}
+
+
 SEPARATE = {
     "builtin": ["-m", "hpcadapt.train", "--model", "mlp", "--dataset", "digits"],
     "user_api": [str(HERE / "user_api_train.py")],
@@ -63,12 +72,7 @@ def separate_runs(args):
                 if proc.returncode != 0:
                     raise SystemExit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n"
                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-                rows = read(metrics)
-                with open(summary, encoding="utf-8") as f:
-                    digest = json.load(f)["model_digest"]
-                runs[kind].append({
-                    "samples_per_s": loop_throughput(rows), "wall_s": wall, "digest": digest,
-                    "final_accuracy": [r for r in rows if r["event"] == "epoch"][-1]["test_accuracy"]})
+                runs[kind].append(run_record(metrics, summary, wall))
     return runs
 
 
