@@ -305,6 +305,13 @@ def released(obs: list, job: str, grown: list, extra: set) -> list:
             all(n in o.nodes and o.nodes[n].idle for n in extra)]
 
 
+def added_nodes_back(watch, job: str, mode: str, size: int) -> bool:
+    """Whether the nodes a grow to ``size`` added are idle again while the job runs; True
+    when the grow was never seen (nothing to wait for: the test asserts it afterwards)."""
+    g = growth(watched(watch, job), job, mode, size)
+    return True if g is None else bool(released(watched(watch, job), job, g[1], g[2]))
+
+
 def shrunk_to(metrics: Path, old: int, new: int) -> bool:
     return any(r["old_size"] == old and r["new_size"] == new and r["ok"]
                for r in records(metrics, "resize"))
@@ -335,14 +342,9 @@ def test_grow_to_three_nodes_and_back_releases_the_nodes_while_training_goes_on(
                  or a_resize_failed(metrics),
                  "resize 3 -> 1 done after 4 epochs in the metrics", job, tmp_path)
 
-        def nodes_back():
-            g = growth(watched(watch, job), job, mode, 3)
-            if g is None:  # never saw it grown: nothing to wait for (asserted below)
-                return True
-            return bool(released(watched(watch, job), job, g[1], g[2]))
-
-        wait_for(nodes_back, "the added nodes idle in sinfo while the training runs", job,
-                 tmp_path, timeout=180)
+        wait_for(lambda: added_nodes_back(watch, job, mode, 3),
+                 "the added nodes idle in sinfo while the training runs", job, tmp_path,
+                 timeout=180)
         stop.touch()
         final = watch.wait_until_gone(job, 300)
     out = job_output(tmp_path, job)
@@ -558,12 +560,9 @@ def test_a_users_own_script_grows_and_shrinks_on_slurm(cluster, tmp_path, cancel
         wait_for(lambda: shrunk_to(metrics, 2, 1) or a_resize_failed(metrics),
                  "resize 2 -> 1 done in the metrics", job, tmp_path)
 
-        def node_back():
-            g = growth(watched(watch, job), job, "companion", 2)
-            return True if g is None else bool(released(watched(watch, job), job, g[1], g[2]))
-
-        wait_for(node_back, "the added node idle in sinfo while the training runs", job,
-                 tmp_path, timeout=180)
+        wait_for(lambda: added_nodes_back(watch, job, "companion", 2),
+                 "the added node idle in sinfo while the training runs", job, tmp_path,
+                 timeout=180)
         stop.touch()
         final = watch.wait_until_gone(job, 300)
     out = job_output(tmp_path, job)
