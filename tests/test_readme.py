@@ -10,13 +10,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import List
 
 import pytest
 
-from conftest import ROOT, mpiexec
+from conftest import ROOT, mpiexec, wait_for
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -99,13 +98,14 @@ def test_the_elastic_command_grows_and_shrinks(folder):
                                           "--metrics-file", str(metrics), "--check-replicas"]
     with open(folder / "elastic.err", "w") as err:
         proc = subprocess.Popen(argv, cwd=folder, stdout=subprocess.DEVNULL, stderr=err)
-        deadline = time.monotonic() + 600
-        resizes: list = []
-        while len(resizes) < 2 and proc.poll() is None and time.monotonic() < deadline:
+
+        def two_resizes():
             text = metrics.read_text() if metrics.exists() else ""
-            resizes = [json.loads(l) for l in text[:text.rfind("\n") + 1].splitlines()
-                       if '"event": "resize"' in l]
-            time.sleep(0.05)
+            rows = [json.loads(l) for l in text[:text.rfind("\n") + 1].splitlines()
+                    if '"event": "resize"' in l]
+            return rows if len(rows) >= 2 else None
+
+        resizes = wait_for(two_resizes, "two resizes", proc, stderr=folder / "elastic.err")
         stop.touch()
         rc = proc.wait(timeout=600)
     log = (folder / "elastic.err").read_text()
@@ -124,10 +124,8 @@ def test_the_checkpoint_command_stops_on_usr1_and_resumes(folder):
     with open(folder / "ckpt.out", "w") as out, open(folder / "ckpt.err", "w") as err:
         proc = subprocess.Popen(argv + ["--metrics-file", str(metrics)], cwd=folder,
                                 stdout=out, stderr=err)
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline and not (
-                metrics.exists() and metrics.read_text().count('"event": "step"') >= 5):
-            time.sleep(0.02)
+        wait_for(lambda: metrics.exists() and metrics.read_text().count('"event": "step"') >= 5,
+                 "step 5", proc, stderr=folder / "ckpt.err")
         proc.send_signal(signal.SIGUSR1)
         rc = proc.wait(timeout=600)
     assert rc == 75, (folder / "ckpt.err").read_text()[-4000:]
