@@ -96,6 +96,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "when that worker's liveness cannot be seen (another node); a dead "
                         "worker on this node is noticed within 0.2 s. A failure saves the "
                         "last committed state to --checkpoint and exits with 75")
+    e.add_argument("--on-failure", choices=("recover", "stop"), default="recover",
+                   help="when a worker that joined the running job dies: recover (the "
+                        "survivors agree on who died, form a world without it, redo the step "
+                        "in flight and train on at the smaller size) or stop (save to "
+                        "--checkpoint, exit 75 for the job script to requeue). The death of a "
+                        "rank of the first launch (mpiexec/srun ends its whole launch) or of "
+                        "rank 0 always stops")
+    e.add_argument("--replace-failed", action="store_true",
+                   help="after recovering from a failure, ask the allocator for as many new "
+                        "workers as died; they join stop-free like any grow")
     e.add_argument("--slurm-partition", default=None,
                    help="partition for added nodes (default: the job's own)")
     e.add_argument("--slurm-pending-timeout", type=positive_float, default=60.0,

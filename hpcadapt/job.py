@@ -28,7 +28,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -75,6 +75,8 @@ class JobOptions:
     launcher: str = "process"
     join_timeout: float = 120.0
     peer_timeout: float = 30.0
+    on_failure: str = "recover"
+    replace_failed: bool = False
     slurm_partition: Optional[str] = None
     slurm_pending_timeout: float = 60.0
     slurm_mpi: str = "pmi2"
@@ -252,6 +254,7 @@ class Job:
         self._walk: Optional[WalkKey] = None
         self._walk_cursor = -1
         self._stop_requested = False
+        self._recovered = False  # set when a recovery cut the step or boundary short
         self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
         self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
         self._finish_requested = False
@@ -427,7 +430,15 @@ class Job:
                 if self._micro_left == len(micro) - i:
                     raise ConfigurationError("call job.step(loss) once for every batch the "
                                              "loader yields")
+            if self._recovered:
+                # A peer died during this step: the survivors took the state of the one
+                # furthest on; the step from the cursor is trained (again) at the new size.
+                self._recovered = False
+                continue
             going_on = self._boundary(part.global_count)
+            if self._recovered:
+                self._recovered = False  # the boundary was cut short by a recovery
+                continue
             if self.left:
                 self._leave()
             if not going_on:
@@ -460,11 +471,16 @@ class Job:
         opt.zero_grad()
         self._loss_sum = 0.0
         self._step_open = True
-        if self._sample_file is not None:
-            self._sample_file.write(json.dumps({"epoch": st.epoch, "step": st.step,
-                                                "rank": self.world.rank, "size": self.world.size,
-                                                "indices": part.indices.tolist()}) + "\n")
         return part, micro
+
+    def _log_samples(self, indices, rank: int, size: int, **extra: Any) -> None:
+        """--sample-log: the samples of a committed step (never of a step given up)."""
+        if self._sample_file is not None:
+            st = self.state
+            self._sample_file.write(json.dumps({"epoch": st.epoch, "step": st.step,
+                                                "rank": rank, "size": size,
+                                                "indices": [int(i) for i in indices],
+                                                **extra}) + "\n")
 
     def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None) -> None:
         """Backward of ``loss`` (the mean over the batch the loader yielded), then, after
@@ -492,7 +508,8 @@ class Job:
         try:
             stats = self.optimizer.synchronize()
         except world_mod.PeerFailure as exc:
-            self._fail(exc)  # does not return
+            self._recover(exc)  # or ends the job
+            return
         t2 = time.perf_counter()
         self._read_control(stats.extras, self._part.global_count)
         # The global loss arrived with the gradients: every rank sees the same value, so all
@@ -514,6 +531,7 @@ class Job:
                 log.warning("step %d: the loss or gradient is not finite (loss %s); the update "
                             "is skipped (%d in a row)", st.step, self.last_loss,
                             self._nonfinite_run)
+        self._log_samples(self._part.indices, self.world.rank, self.world.size)
         st.sampler.advance(self._part.global_count)
         st.step += 1
         t3 = time.perf_counter()
@@ -632,7 +650,11 @@ class Job:
             decisions = self.engine.decide(name, snap, **extra)
             if decisions:
                 plan_text = self.engine.plan(decisions, snap, self.world.cluster_version).to_json()
-        plan_text = _broadcast_text(plan_text, self.world.comm)
+        try:
+            plan_text = _broadcast_text(plan_text, self.world)
+        except world_mod.PeerFailure as exc:
+            self._recover(exc)  # or ends the job
+            return
         if not plan_text:
             return
         plan = Plan.from_json(plan_text)
@@ -861,6 +883,100 @@ class Job:
         sys.stderr.flush()
         os._exit(code)
 
+    def _recover(self, exc: "world_mod.PeerFailure") -> None:
+        """A peer died in the middle of a step or at its boundary. The survivors agree on
+        who died (hpcadapt.recovery), form a world without it, and take the state of the
+        survivor furthest on (one that finished the step in flight before the others
+        noticed is one step ahead; the others have changed nothing yet); the step from that
+        state's cursor is trained at the smaller size, so no sample is skipped or trained
+        twice. Returns with ``_recovered`` set, or ends the job through ``_fail`` when the
+        death cannot be survived (see ``recovery.unrecoverable``) or recovery fails."""
+        from . import recovery
+        from .elastic import ResizeOutcome
+
+        if self.options.on_failure != "recover" or exc.cause not in ("dead", "notice"):
+            self._fail(exc)
+        t0 = time.perf_counter()
+        old_size, version = self.world.size, self.world.cluster_version
+        try:
+            agreement = recovery.agree(self.world, [exc.rank] if exc.rank >= 0 else [],
+                                       self.options.peer_timeout)
+        except world_mod.PeerFailure as again:
+            self._fail(again)
+        why = recovery.unrecoverable(self.world, agreement)
+        if why is not None:
+            self._fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
+                                             rank=agreement.dead[0] if agreement.dead else -1,
+                                             cause="dead"))
+        dead_pids = [self.world.pids[d] for d in agreement.dead]
+        if self.elastic is not None and self.elastic.growing:
+            # Joiners of a pending grow would connect to the old world: start again later.
+            self._record_resize(self.elastic.abandon("a worker died"))
+        rolled_from, old_rank = self.state.step, self.world.rank
+        in_flight = {d: self.state.sampler.peek(self.state.hyper.batch_size, d, old_size).indices
+                     for d in agreement.dead} if self._sample_file is not None else {}
+
+        def expire(reason: str) -> None:
+            self._fail(world_mod.PeerFailure(reason, cause="timeout"))
+
+        with world_mod.Watchdog(self.options.peer_timeout, "the recovery", expire):
+            try:
+                comm = recovery.form_world(self.world.comm, agreement.survivors)
+                self.world.abandon()
+                self.optimizer.abandon_in_flight()
+                self.world.replace(comm)
+                root, furthest = self._furthest_rank()
+                if furthest > rolled_from and self._step_open:
+                    # Another survivor finished the step in flight: its update holds this
+                    # rank's samples and the dead's, which the dead cannot log any more.
+                    self._log_samples(self._part.indices, old_rank, old_size)
+                    if self.world.rank == 0:
+                        for d in agreement.dead:
+                            self._log_samples(in_flight[d], d, old_size, logged_for_dead=True)
+                policy_state = self.engine.state_dict() if self.world.rank == 0 else None
+                view = _CommView(self.world.comm, self.world.cluster_version)
+                view.watch = self.world.watch
+                self.state.broadcast(view, is_root=self.world.rank == root, root=root)
+                if policy_state is not None:
+                    self.engine.load_state_dict(policy_state)  # rank 0's decide
+            except world_mod.PeerFailure as again:
+                self._fail(again)
+        self._walk = None
+        self._recovered = True
+        self._step_open = False
+        recovered = time.time()
+        if self.allocator is not None:
+            self.allocator.released(len(agreement.dead))
+            if hasattr(self.allocator, "reap"):
+                self.allocator.reap()
+        if self.world.rank == 0:
+            log.warning("rank(s) %s of %d died (%s): recovered in %.3f s on %d workers, "
+                        "training from step %d", list(agreement.dead), old_size, exc,
+                        time.perf_counter() - t0, self.world.size, self.state.step)
+        self.sink.write({"event": "failure", "recovered": True, "dead": list(agreement.dead),
+                         "dead_pids": dead_pids, "rank": agreement.dead[0], "cause": exc.cause,
+                         "detail": str(exc), "step": self.state.step, "step_in_flight":
+                         rolled_from, "epoch": self.state.epoch, "old_size": old_size,
+                         "world_size": self.world.size, "detected_unix": exc.detected_at,
+                         "recovered_unix": recovered, "waited_s": exc.waited_s,
+                         "recovery_s": recovered - exc.detected_at,
+                         "cluster_version": self.world.cluster_version,
+                         "previous_cluster_version": version})
+        self._after_resize(ResizeOutcome(old_size, self.world.size,
+                                         f"failure of rank(s) {list(agreement.dead)}", 0.0,
+                                         True), t0)
+        if self.options.replace_failed and self.elastic is not None:
+            self.request_resize(self.world.size + len(agreement.dead),
+                                f"replacing failed rank(s) {list(agreement.dead)}")
+
+    def _furthest_rank(self) -> Tuple[int, int]:
+        """The lowest rank whose state is furthest on, and its step (bounded allgather)."""
+        steps = np.empty(self.world.size, dtype=np.int64)
+        world_mod.wait_request(self.world.comm.Iallgather(
+            np.array([self.state.step], dtype=np.int64), steps), self.world.watch,
+            "the recovery's step exchange")
+        return int(np.argmax(steps)), int(steps.max())
+
     def _join(self) -> None:
         """A worker started for a grow: connect, merge, receive the state."""
         from .elastic import JoinTicket, ResizeOutcome, join_running_job
@@ -956,7 +1072,8 @@ class Job:
                                      batch_size=st.hyper.batch_size, lr=st.hyper.lr,
                                      decision_to_first_step_s=outcome.decision_to_first_step_s,
                                      replicas_identical=self._identical_after_resize
-                                     if outcome.ok else None))
+                                     if outcome.ok else None,
+                                     pids=list(self.world.pids) if outcome.ok else None))
         if self.world.rank == 0:
             level = logging.INFO if outcome.ok else logging.WARNING
             log.log(level, "resize %d -> %d %s in %.3f s (%s)", outcome.old_size,
@@ -1285,18 +1402,20 @@ def _strict(value: Any) -> Any:
     return value
 
 
-def _broadcast_text(text: str, comm) -> str:
-    """Broadcast a short text from rank 0: a length, then the bytes if any."""
+def _broadcast_text(text: str, world) -> str:
+    """Broadcast a short text from rank 0: a length, then the bytes if any (bounded waits:
+    PeerFailure when a peer dies)."""
+    comm = world.comm
     if comm.Get_size() == 1:
         return text
     payload = text.encode() if comm.Get_rank() == 0 else b""
     n = np.array([len(payload)], dtype=np.int64)
-    comm.Bcast(n, root=0)
+    world_mod.wait_request(comm.Ibcast(n, root=0), world.watch, "the plan's broadcast")
     if n[0] == 0:
         return ""
     buf = np.frombuffer(payload, dtype=np.uint8).copy() if comm.Get_rank() == 0 \
         else np.empty(int(n[0]), dtype=np.uint8)
-    comm.Bcast(buf, root=0)
+    world_mod.wait_request(comm.Ibcast(buf, root=0), world.watch, "the plan's broadcast")
     return buf.tobytes().decode()
 
 

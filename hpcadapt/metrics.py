@@ -6,7 +6,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any, Dict, Optional
+from typing import IO, Any, Dict, List, Optional
 
 __all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "MetricsSink"]
 
@@ -71,6 +71,7 @@ class ResizeRecord:
     lr: float
     decision_to_first_step_s: float = float("nan")
     replicas_identical: Optional[bool] = None
+    pids: Optional[List[int]] = None   # of the new world's ranks, in rank order
     event: str = "resize"
 
 

@@ -185,6 +185,16 @@ class DistributedOptimizer:
         else:
             self._build()
 
+    def abandon_in_flight(self) -> None:
+        """A peer died in the middle of a step: the buckets' allreduces will never complete
+        and MPI may still name their buffers, so those are kept (never reused, never freed)
+        and fresh buckets are built on the next use."""
+        from .runtime import ABANDONED
+
+        ABANDONED.append(self._buckets)
+        self._buckets = []
+        self._version = -1
+
     def _build(self) -> None:
         """Bucket the parameters in reverse order (the order backward produces gradients)."""
         params = [p for _, p in reversed(self._named)]

@@ -54,6 +54,7 @@ class World:
     def __init__(self, comm: MPI.Intracomm, *, cluster_version: int = 0, own: bool = True):
         self._comm: Optional[MPI.Intracomm] = comm
         self._own = own
+        self._abandoned = False
         self._version = cluster_version
         self._derive()
 
@@ -64,14 +65,18 @@ class World:
         # Every rank learns where every other one runs (node, pid): processes on one node
         # form the node (rank order decides local ranks), and a peer on this node whose pid
         # is gone is known dead while we wait for it (liveness without heartbeats).
-        mine = np.array([_node_key(), os.getpid()], dtype=np.int64)
-        table = np.empty((self.size, 2), dtype=np.int64)
+        mine = np.array([_node_key(), os.getpid(), launch_id()], dtype=np.int64)
+        table = np.empty((self.size, 3), dtype=np.int64)
         old = getattr(self, "watch", None)
         # A new member's pid is not known yet: this wait has a plain deadline.
         wait_request(comm.Iallgather(mine, table), old, "the world's start",
                      deadline_s=old.floor if old is not None else None)
         self.peers: List[Tuple[int, int, int]] = [(r, int(k), int(p))
-                                                  for r, (k, p) in enumerate(table)]
+                                                  for r, (k, p, _) in enumerate(table)]
+        # Ranks started by one launch (mpiexec/srun) live and die together: the launcher
+        # ends them all when one dies, so only a rank alone in its launch can be lost alone.
+        self.launches: List[int] = [int(x) for x in table[:, 2]]
+        self.pids: List[int] = [int(x) for x in table[:, 1]]
         same = [r for r, k, _ in self.peers if k == mine[0]]
         self.local_rank: int = same.index(self.rank)
         self.local_size: int = len(same)
@@ -82,6 +87,17 @@ class World:
                                blind=len(same) < self.size)
         if previous is not None:
             self.watch.inherit(previous)
+        # A side channel for failure notices: point-to-point messages that reach a survivor
+        # while the world's collectives are stuck on a dead peer (hpcadapt.recovery).
+        self.notices: MPI.Intracomm = comm.Dup()
+        self.watch.sources.append(self._notice)
+
+    def _notice(self) -> Optional[Tuple[int, str]]:
+        """A failure notice from another rank, if one waits (PeerWatch source)."""
+        status = MPI.Status()
+        if self.notices.Iprobe(source=MPI.ANY_SOURCE, tag=NOTICE_TAG, status=status):
+            return NOTICE, f"rank {status.Get_source()} reports a dead peer"
+        return None
 
     @property
     def comm(self) -> MPI.Intracomm:
@@ -103,21 +119,32 @@ class World:
         becomes ``version``: a joining worker takes the running job's). With ``keep_old``
         the old communicator is returned instead of freed (to fall back to it when the
         resize fails before it is confirmed)."""
-        old = self._comm
+        old, old_notices = self._comm, getattr(self, "notices", None)
         self._comm = comm
         self._version = self._version + 1 if version is None else version
         self._derive()
-        owned, self._own = self._own, True
+        if old_notices is not None and not self._abandoned:
+            old_notices.Free()
+        owned, self._own = self._own and not self._abandoned, True
+        self._abandoned = False
+        log.debug("world replaced: size %d, cluster version %d", self.size, self._version)
         if keep_old:
             return old if owned else None
         if old is not None and owned and old != MPI.COMM_NULL:
             old.Free()
         return None
-        log.debug("world replaced: size %d, cluster version %d", self.size, self._version)
+
+    def abandon(self) -> None:
+        """Give up this world's communicators because a dead peer belongs to them: never
+        freed (freeing waits on the dead), kept referenced until exit. Call ``replace``
+        next."""
+        ABANDONED.extend([self._comm, self.notices])
+        self._abandoned = True
 
     def free(self) -> None:
         if self._comm is not None and self._own:
             self._comm.Free()
+            self.notices.Free()
         self._comm = None
 
     def __repr__(self) -> str:
@@ -126,6 +153,23 @@ class World:
 
 
 _world: Optional[World] = None
+NOTICE_TAG = 0x6E6F   # failure notices on World.notices
+NOTICE = -2           # PeerFailure.rank of a failure another rank reported
+# Communicators, requests and buffers that a dead peer may still name: never freed, never
+# reused (MPICH neither completes nor errors an operation with a dead peer).
+ABANDONED: list = []
+_launch_id: Optional[int] = None
+
+
+def launch_id() -> int:
+    """The same number on every process of one launch (mpiexec/srun): the pid and node of
+    its first process. Computed once (a broadcast among the launch's processes)."""
+    global _launch_id
+    if _launch_id is None:
+        mine = (_node_key() << 22) ^ os.getpid()
+        comm = MPI.COMM_WORLD
+        _launch_id = int(comm.bcast(mine, root=0)) if comm.Get_size() > 1 else mine
+    return _launch_id
 
 
 def init(comm: Optional[MPI.Intracomm] = None) -> World:
@@ -241,7 +285,8 @@ class PeerFailure(Exception):
         super().__init__(message)
         self.rank = rank
         self.waited_s = waited_s
-        self.cause = cause            # "dead", "timeout" or "stop"
+        self.cause = cause            # "dead", "notice" (another rank saw one), "timeout",
+        #                               "stop" or "join"
         self.detected_at = time.time()
 
 
@@ -301,6 +346,10 @@ class PeerWatch:
         self.floor, self.stop_flag = other.floor, other.stop_flag
         self.steps = other.steps
 
+    def dead_ranks(self) -> List[int]:
+        """The ranks on this node known dead now (pid gone)."""
+        return [rank for rank, pid in self.local_peers if not pid_alive(pid)]
+
     def note_step(self, seconds: float) -> None:
         self.steps.append(seconds)
 
@@ -322,6 +371,13 @@ class PeerWatch:
     def wait(self, request: MPI.Request, what: str, deadline_s: Optional[float] = None) -> None:
         """Wait for ``request`` to complete, polling (a 10 ms spin, then short sleeps), or
         raise PeerFailure."""
+        try:
+            self._wait(request, what, deadline_s)
+        except PeerFailure:
+            ABANDONED.append(request)  # it keeps its buffer: MPI may still write into it
+            raise
+
+    def _wait(self, request: MPI.Request, what: str, deadline_s: Optional[float]) -> None:
         t0 = time.perf_counter()
         spin_until = t0 + self.spin_s
         next_check = t0 + self.check_s
@@ -341,7 +397,8 @@ class PeerWatch:
             found = self.dead()
             if found is not None:
                 raise PeerFailure(f"{found[1]}; noticed after {waited:.2f} s waiting in {what}",
-                                  rank=found[0], waited_s=waited, cause="dead")
+                                  rank=found[0], waited_s=waited,
+                                  cause="notice" if found[0] == NOTICE else "dead")
             if now > limit and (self.blind or deadline_s is not None):
                 raise PeerFailure(f"no answer from a peer for {waited:.1f} s in {what} "
                                   f"(deadline {limit - t0:.1f} s: --peer-timeout)",

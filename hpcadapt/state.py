@@ -175,18 +175,19 @@ class TrainingState:
             self.origin = dict(meta["origin"])
 
     # -- sync ------------------------------------------------------------------------------
-    def broadcast(self, view, *, is_root: bool) -> int:
-        """Make every rank of ``view`` (a communicator view) hold the root's state;
-        returns the root's cluster version."""
+    def broadcast(self, view, *, is_root: bool, root: int = 0) -> int:
+        """Make every rank of ``view`` (a communicator view) hold the state of rank
+        ``root`` (``is_root`` on that one); returns the root's cluster version."""
         from .parallel import (broadcast_object_state, broadcast_optimizer_state,
                                broadcast_parameters)
 
-        meta = broadcast_object_state(self.meta(view.version) if is_root else None, world=view)
+        meta = broadcast_object_state(self.meta(view.version) if is_root else None,
+                                      root=root, world=view)
         if not is_root:
             self.load_meta(meta)
         broadcast_parameters(list(self.model.parameters()) + list(self.model.buffers()),
-                             world=view)
-        broadcast_optimizer_state(self.optimizer, world=view)
+                             root=root, world=view)
+        broadcast_optimizer_state(self.optimizer, root=root, world=view)
         return int(meta["version"])
 
     # -- checkpoints -----------------------------------------------------------------------

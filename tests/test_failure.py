@@ -183,9 +183,50 @@ def every_sample_once(samples_dir, num_samples=1438):
 
 
 # -- a joined worker dies ------------------------------------------------------------------
-def test_sigkill_of_a_joined_worker_ends_the_job_with_the_state_saved(tmp_path):
+def _kill_a_joined_worker(run, size):
+    """Wait for a step at ``size`` workers, SIGKILL the joined worker of the highest rank;
+    returns (its rank, the kill's time, the last step reported before)."""
+    run.wait_for(f"a step at {size} workers",
+                 lambda: [s for s in run.steps()[-1:] if s["world_size"] == size])
+    grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]
+             and r["new_size"] == size][-1]
+    victim_rank = size - 1
+    step_before = run.steps()[-1]["step"]
+    os.kill(grown["pids"][victim_rank], signal.SIGKILL)
+    return victim_rank, time.time(), step_before
+
+
+def _replicas_identical_after_each_recovery(run):
+    checks = [r for r in run.rows() if r.get("event") == "resize"
+              and r["reason"].startswith("failure of")]
+    assert checks and all(r["replicas_identical"] for r in checks), checks
+
+
+def test_sigkill_of_a_joined_worker_is_recovered_in_place(tmp_path):
     run = Run(tmp_path, 2, ["--max-workers", "3", "--policy", "resize-schedule",
-                            "--resize-schedule-steps", "3:3"])
+                            "--resize-schedule-steps", "3:3", "--check-replicas"])
+    rank, t_kill, step_before = _kill_a_joined_worker(run, 3)
+    failure = run.wait_for("the failure record", lambda: [
+        r for r in run.rows() if r.get("event") == "failure"])[0]
+    assert failure["recovered"] and failure["dead"] == [rank], failure
+    assert failure["old_size"] == 3 and failure["world_size"] == 2
+    assert failure["step"] >= step_before
+    assert failure["detected_unix"] - t_kill < 5.0, failure
+    after = run.wait_for("a step at 2 workers after the recovery", lambda: [
+        s for s in run.steps() if s["world_size"] == 2 and s["unix_time"] >= t_kill])
+    assert after[0]["step"] == failure["step"] + 1   # the step in flight, trained again
+    _replicas_identical_after_each_recovery(run)
+    run.stop_file.write_text("stop")
+    assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
+    assert "died" in run.stderr() and "recovered in" in run.stderr()
+    every_sample_once(run.samples)
+    run.assert_no_process_left()
+
+
+def test_sigkill_of_a_joined_worker_with_on_failure_stop_ends_the_job_with_the_state_saved(
+        tmp_path):
+    run = Run(tmp_path, 2, ["--max-workers", "3", "--policy", "resize-schedule",
+                            "--resize-schedule-steps", "3:3", "--on-failure", "stop"])
     run.wait_for("a step at 3 workers", lambda: [s for s in run.steps() if s["world_size"] == 3])
     joined = joiner_pids(run)
     assert len(joined) == 1, joined
