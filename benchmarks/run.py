@@ -23,6 +23,7 @@ BENCHMARKS = {
     "adaptive-batch": ("driver_adaptive", "time to accuracy on MNIST-1D: fixed batches and "
                                           "schedules vs gns-batch and goodput"),
     "resize": ("driver_resize", "pause of grow/shrink vs a torchrun restart"),
+    "failure": ("driver_failure", "a killed worker: detection and recovery vs a torchrun restart"),
     "user-api": ("driver_user_api", "training throughput: a user's own script on the public "
                                     "API vs the built-in entry point"),
     "slurm-resize": ("driver_slurm", "Slurm test cluster: decision to new nodes training, "

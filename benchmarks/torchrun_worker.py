@@ -1,6 +1,7 @@
 """The torchrun side of the resize benchmark: the same model trained with DDP (gloo) under
 torch.distributed.elastic, checkpointing so that a restarted generation reloads and goes on.
-Every step appends {generation, rank, step, t} to --log."""
+Every step appends {generation, rank, step, t} to --log (with --log-pid also the worker's
+pid, for the failure benchmark to kill one)."""
 
 import argparse
 import json
@@ -22,11 +23,23 @@ def main():
     ap.add_argument("--hidden", default="4096,2560,1024")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--save-every", type=int, default=5)
+    ap.add_argument("--log-pid", action="store_true", help="add the worker's pid to each line")
+    ap.add_argument("--store-per-generation", action="store_true",
+                    help="keys of the agent's store under a prefix per restart: after an "
+                         "in-place restart (--max-restarts) gloo otherwise read the dead "
+                         "generation's addresses and failed with 'connection refused'")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     gen = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.store_per_generation and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        world = int(os.environ["WORLD_SIZE"])
+        store = dist.PrefixStore(f"/failure-bench/gen{gen}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False))
+        dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
+                                world_size=world)
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
     model = build_model("mlp", (3, 32, 32), 10, hidden=[int(h) for h in args.hidden.split(",")])
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = 0
@@ -43,9 +56,12 @@ def main():
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         step += 1
+        line = {"gen": gen, "rank": rank, "step": step, "t": time.time(),
+                "world": dist.get_world_size()}
+        if args.log_pid:
+            line["pid"] = os.getpid()
         with open(args.step_log, "a") as f:
-            f.write(json.dumps({"gen": gen, "rank": rank, "step": step, "t": time.time(),
-                                "world": dist.get_world_size()}) + "\n")
+            f.write(json.dumps(line) + "\n")
         if rank == 0 and step % args.save_every == 0:
             tmp = args.checkpoint + ".tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)

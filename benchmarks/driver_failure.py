@@ -1,0 +1,290 @@
+"""failure: how long training stops when one worker is SIGKILLed, in hpcadapt (recovery in
+place) and in torchrun (torch.distributed.elastic restarts every worker from a checkpoint).
+
+hpcadapt: the entry point on 2 ranks grows to 4 (two joined workers, each its own mpiexec)
+with --replace-failed. A joined worker (rank >= 2; the original ranks share one mpiexec launch,
+whose death ends that launch) is SIGKILLed once the 4-worker world has trained a few steps;
+the survivors detect it, form a 3-worker world, redo the step in flight, and a replacement
+joins stop-free, after which the next worker is killed. From the metrics file:
+detect = the failure line's detected_unix - the kill's time.time(); recover = the first step
+line after it with unix_time >= recovered_unix - detected_unix (step lines are written when a
+step ends, so this includes one step on 3 workers).
+torchrun: 4 workers (--standalone, gloo, DDP, --max-restarts, checkpoint every few steps by
+rank 0); a worker other than rank 0 is SIGKILLed once its generation has trained a few steps;
+the agent stops every worker and starts a new generation, which reloads the checkpoint. The
+restart is from the kill to the first step logged by the new generation (also written when
+the step ends).
+
+Both models are the resize benchmark's 25.7M-parameter MLP. Kills are spaced by waiting for
+the metrics/step logs, never by fixed sleeps; every wait has a deadline that fails the
+benchmark with what was awaited."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+from launch import ROOT, env, mpiexec
+
+BIG = "4096,2560,1024"   # about 25.7M parameters on 3x32x32 inputs, as in driver_resize
+
+
+class Tail:
+    """Reads a JSON Lines file as it grows (a partial last line is kept for the next read)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.rows: List[dict] = []
+        self._pos = 0
+        self._partial = ""
+
+    def poll(self) -> List[dict]:
+        if os.path.exists(self.path):
+            with open(self.path, encoding="utf-8") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+                self._pos = f.tell()
+            text = self._partial + chunk
+            lines = text.split("\n")
+            self._partial = lines.pop()
+            self.rows.extend(json.loads(line) for line in lines if line.strip())
+        return self.rows
+
+
+def wait_for(tail: Tail, start: int, pred: Callable[[dict], bool], what: str, timeout: float,
+             alive: Callable[[], Optional[str]]) -> int:
+    """Index of the first row at or after ``start`` that satisfies ``pred``; fails the
+    benchmark after ``timeout`` seconds or as soon as ``alive()`` reports the job ended."""
+    deadline = time.time() + timeout
+    i = start
+    while True:
+        rows = tail.poll()
+        while i < len(rows):
+            if pred(rows[i]):
+                return i
+            i += 1
+        dead = alive()
+        if dead is not None:
+            tail.poll()
+            raise SystemExit(f"failure benchmark: {dead} while waiting for {what} "
+                             f"(last lines of {tail.path}: {tail.rows[-3:]})")
+        if time.time() > deadline:
+            raise SystemExit(f"failure benchmark: no {what} within {timeout:.0f} s "
+                             f"(last lines of {tail.path}: {tail.rows[-3:]})")
+        time.sleep(0.02)
+
+
+def stderr_tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the session this driver started for ``proc`` (its launcher and workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int) -> List[dict]:
+    metrics = os.path.join(tmp, "hpcadapt.jsonl")
+    stop = os.path.join(tmp, "hpcadapt.stop")
+    err = os.path.join(tmp, "hpcadapt.stderr")
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hpcadapt.train", "--model", "mlp",
+           "--hidden", BIG, "--dataset", "synthetic", "--synthetic-samples", "1024",
+           "--batch-size", "32", "--epochs", "100000", "--no-progress", "--threads", "1",
+           "--max-workers", "4", "--policy", "resize-schedule", "--resize-schedule-steps", "3:4",
+           "--replace-failed", "--metrics-file", metrics, "--stop-file", stop]
+    with open(err, "w", encoding="utf-8") as ferr:
+        # a crash of a survivor in C (MPICH) then leaves a Python traceback in the output
+        proc = subprocess.Popen(cmd, env=dict(env(), PYTHONFAULTHANDLER="1"), cwd=ROOT,
+                                stdout=ferr, stderr=subprocess.STDOUT, start_new_session=True)
+    tail = Tail(metrics)
+
+    def alive() -> Optional[str]:
+        rc = proc.poll()
+        return None if rc is None else (f"the hpcadapt job ended (exit {rc}; output tail: "
+                                        f"{stderr_tail(err)})")
+
+    out = []
+    try:
+        i = 0
+        for k in range(kills):
+            # the 4-worker world (the grow, or the last kill's replacement) ...
+            i = wait_for(tail, i, lambda r: r.get("event") == "resize" and r.get("ok")
+                         and r.get("new_size") == 4, f"a resize to 4 workers (kill {k + 1})",
+                         timeout, alive)
+            resize = tail.rows[i]
+            # ... that has trained a few steps, so that no joiner is inside its join
+            for _ in range(settle_steps):
+                i = wait_for(tail, i + 1, lambda r: r.get("event") == "step"
+                             and r.get("world_size") == 4,
+                             f"a step on 4 workers after the resize (kill {k + 1})", timeout,
+                             alive)
+            pids = resize.get("pids") or []
+            if len(pids) != 4:
+                raise SystemExit(f"failure benchmark: the resize line has no 4 pids: {resize}")
+            rank = 2 + k % 2
+            pid = int(pids[rank])
+            os.kill(pid, signal.SIGKILL)
+            killed = time.time()
+            i = wait_for(tail, i + 1, lambda r: r.get("event") == "failure",
+                         f"a failure line after killing rank {rank} (pid {pid}, kill {k + 1})",
+                         timeout, alive)
+            fail = tail.rows[i]
+            if not fail.get("recovered"):
+                raise SystemExit(f"failure benchmark: the job did not recover: {fail}")
+            recovered = fail["recovered_unix"]
+            i = wait_for(tail, i + 1, lambda r: r.get("event") == "step"
+                         and r["unix_time"] >= recovered,
+                         f"a step after the recovery (kill {k + 1})", timeout, alive)
+            step = tail.rows[i]
+            detect = fail["detected_unix"] - killed
+            recover = step["unix_time"] - fail["detected_unix"]
+            out.append({"killed_rank": rank, "dead": fail.get("dead"), "detect_s": detect,
+                        "recover_s": recover, "kill_to_step_s": detect + recover,
+                        "recovery_s": fail.get("recovery_s"), "rolled_back_to": fail.get("step"),
+                        "first_step": step["step"], "first_step_world": step["world_size"],
+                        "first_step_time_s": step.get("step_time_s")})
+            print(f"  hpcadapt kill {k + 1}: rank {rank} detect {detect:.3f} s, "
+                  f"recover {recover:.3f} s", flush=True)
+            i += 1
+        # the last replacement joins before the stop, so the job ends with what it started
+        i = wait_for(tail, i, lambda r: r.get("event") == "resize" and r.get("ok")
+                     and r.get("new_size") == 4, "the last replacement's resize to 4", timeout,
+                     alive)
+        with open(stop, "w"):
+            pass
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"failure benchmark: the hpcadapt job did not end within "
+                             f"{timeout:.0f} s of the stop file (output tail: "
+                             f"{stderr_tail(err)})")
+        if rc != 0:
+            raise SystemExit(f"failure benchmark: the hpcadapt job ended with exit {rc} after "
+                             f"the stop file (output tail: {stderr_tail(err)})")
+    finally:
+        end_group(proc)
+    return out
+
+
+def torchrun_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
+                      save_every: int) -> List[dict]:
+    log = os.path.join(tmp, "torchrun.jsonl")
+    ckpt = os.path.join(tmp, "torchrun.ckpt")
+    err = os.path.join(tmp, "torchrun.stderr")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node=4", f"--max-restarts={kills + 2}",
+           str(ROOT / "benchmarks" / "torchrun_worker.py"), "--step-log", log,
+           "--checkpoint", ckpt, "--hidden", BIG, "--steps", "1000000",
+           "--save-every", str(save_every), "--log-pid", "--store-per-generation"]
+    with open(err, "w", encoding="utf-8") as ferr:
+        proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=ferr, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    tail = Tail(log)
+
+    def alive() -> Optional[str]:
+        rc = proc.poll()
+        return None if rc is None else (f"torchrun ended (exit {rc}; output tail: "
+                                        f"{stderr_tail(err)})")
+
+    out = []
+    try:
+        i = 0
+        for k in range(kills):
+            gen = k
+            # this generation's first step, then a few more (and a checkpoint on disk)
+            i = wait_for(tail, i, lambda r: r["gen"] == gen,
+                         f"torchrun generation {gen}'s first step", timeout, alive)
+            first = tail.rows[i]["step"]
+            need = first + settle_steps
+            if k == 0:
+                need = max(need, save_every + 1)
+            i = wait_for(tail, i, lambda r: r["gen"] == gen and r["step"] >= need
+                         and r["rank"] == 3, f"torchrun generation {gen}'s step {need}",
+                         timeout, alive)
+            victim = tail.rows[i]
+            if not os.path.exists(ckpt):
+                raise SystemExit("failure benchmark: torchrun wrote no checkpoint")
+            pid = int(victim["pid"])
+            os.kill(pid, signal.SIGKILL)
+            killed = time.time()
+            i = wait_for(tail, i + 1, lambda r: r["gen"] == gen + 1,
+                         f"torchrun generation {gen + 1}'s first step (kill {k + 1})",
+                         timeout, alive)
+            new = tail.rows[i]
+            restart = new["t"] - killed
+            last = max(r["step"] for r in tail.rows[:i] if r["gen"] == gen)
+            out.append({"killed_rank": 3, "restart_s": restart,
+                        "resumed_at_step": new["step"] - 1, "last_step_before": last,
+                        "steps_redone": last - (new["step"] - 1)})
+            print(f"  torchrun kill {k + 1}: restart {restart:.3f} s", flush=True)
+            i += 1
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)   # the agent stops its workers and exits
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        end_group(proc)
+    return out
+
+
+def median(xs: List[float]) -> Optional[float]:
+    return float(statistics.median(xs)) if xs else None
+
+
+def run(name, extra):
+    ap = argparse.ArgumentParser(prog=f"run.py {name}")
+    ap.add_argument("--kills", type=int, default=5, help="kills on each side (default: 5)")
+    ap.add_argument("--settle-steps", type=int, default=3,
+                    help="steps a world trains before its next kill (default: 3)")
+    ap.add_argument("--save-every", type=int, default=5,
+                    help="torchrun's checkpoint interval in steps (default: 5)")
+    ap.add_argument("--timeout", type=float, default=300.0,
+                    help="seconds any one wait may take before the benchmark fails")
+    ap.add_argument("--skip", choices=["hpcadapt", "torchrun"], default=None,
+                    help="leave one side out (its ratios are n/a)")
+    args = ap.parse_args(extra)
+    tmp = tempfile.mkdtemp(prefix="hpcadapt-failure-")
+    print(f"failure benchmark: logs in {tmp}", flush=True)
+    hp = [] if args.skip == "hpcadapt" else hpcadapt_failures(
+        tmp, args.kills, args.timeout, args.settle_steps)
+    tr = [] if args.skip == "torchrun" else torchrun_failures(
+        tmp, args.kills, args.timeout, args.settle_steps, args.save_every)
+    rows: Dict[str, dict] = {}
+    for n, r in enumerate(hp, 1):
+        rows[f"hpcadapt kill {n}"] = r
+    for n, r in enumerate(tr, 1):
+        rows[f"torchrun kill {n}"] = r
+    detect = median([r["detect_s"] for r in hp])
+    recover = median([r["recover_s"] for r in hp])
+    restart = median([r["restart_s"] for r in tr])
+    ratio = (restart / (detect + recover)
+             if None not in (detect, recover, restart) and detect + recover > 0 else None)
+    return {"benchmark": "failure", "rows": rows, "logs": tmp, "kills": args.kills,
+            "ratios": {
+                "failure_detect_s": detect,
+                "failure_recover_s": recover,
+                "failure_kill_to_step_s": median([r["kill_to_step_s"] for r in hp]),
+                "torchrun_restart_s": restart,
+                "torchrun_restart_vs_failure_recover": ratio,
+            }}
