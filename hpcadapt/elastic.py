@@ -381,7 +381,7 @@ class ElasticController:
                 MPI.Close_port(port)
                 _remove_folder(directory)
                 error = str(exc)
-        failed = _bcast_flag(self.world.comm, bool(error))
+        failed = _bcast_flag(self.world.comm, bool(error), self.world.watch)
         if failed:
             if self.world.rank == 0:
                 log.error("grow to %d abandoned: %s; training goes on with %d workers",
@@ -452,7 +452,7 @@ def _remove_folder(directory: str) -> None:
     os.rmdir(directory)
 
 
-def _bcast_flag(comm: MPI.Intracomm, flag: bool) -> bool:
+def _bcast_flag(comm: MPI.Intracomm, flag: bool, watch) -> bool:
     buf = np.array([int(flag)], dtype=np.int64)
-    comm.Bcast(buf, root=0)
+    wait_request(comm.Ibcast(buf, root=0), watch, "a grow's start")
     return bool(buf[0])

@@ -28,7 +28,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
 import torch
@@ -144,6 +144,9 @@ def joiner_argv() -> List[str]:
     return [os.path.abspath(sys.argv[0])] + sys.argv[1:]
 
 
+_active_job: Optional["Job"] = None   # the job the exception hook saves on a peer's failure
+
+
 def _install_abort_on_exception() -> None:
     """An uncaught exception on any rank ends the whole job at once, instead of leaving the
     other ranks waiting in a collective forever: hpcadapt's own errors as one line (exit 2),
@@ -155,6 +158,9 @@ def _install_abort_on_exception() -> None:
     def hook(kind, value, tb):
         if issubclass(kind, (KeyboardInterrupt, SystemExit)):
             return previous(kind, value, tb)
+        if isinstance(value, world_mod.PeerFailure) and _active_job is not None:
+            # A peer died during the user's own collective work: saved, exit 75.
+            _active_job._fail(value)
         rank, size, comm = "?", 1, None
         if world_mod.is_initialized():
             w = world_mod.world()
@@ -213,6 +219,8 @@ class Job:
         else:
             unblock_stop_signals()
         self.world = world_mod.init()
+        global _active_job
+        _active_job = self
         setup_logging(lambda: self.world.rank)
         # Every wait on a peer is bounded (runtime.PeerWatch); a stop signal is seen there.
         self.world.watch.floor = o.peer_timeout
@@ -268,8 +276,10 @@ class Job:
         self._t_epoch = time.perf_counter()
         if o.sample_log:
             os.makedirs(o.sample_log, exist_ok=True)
+            # Line-buffered: a worker killed at any moment has written every step it
+            # committed (the failure tests count samples from these files).
             self._sample_file = open(os.path.join(o.sample_log, f"samples-{os.getpid()}.jsonl"),
-                                     "a", encoding="utf-8")
+                                     "a", encoding="utf-8", buffering=1)
 
     # -- set-up ------------------------------------------------------------------------------
     def _setup_elastic(self) -> None:
@@ -417,6 +427,7 @@ class Job:
         (its gradient contribution is zero) and yields nothing for that step."""
         st = self._require_setup()
         while not st.sampler.epoch_done and not self._over():
+            self._recovered = False  # a recovery in an epoch hook needs no redo
             part, micro = self._begin_step()
             if not micro:
                 self._stage_control()
@@ -471,16 +482,15 @@ class Job:
         opt.zero_grad()
         self._loss_sum = 0.0
         self._step_open = True
-        return part, micro
-
-    def _log_samples(self, indices, rank: int, size: int, **extra: Any) -> None:
-        """--sample-log: the samples of a committed step (never of a step given up)."""
         if self._sample_file is not None:
-            st = self.state
-            self._sample_file.write(json.dumps({"epoch": st.epoch, "step": st.step,
-                                                "rank": rank, "size": size,
-                                                "indices": [int(i) for i in indices],
-                                                **extra}) + "\n")
+            # A step given up by a recovery is logged again when it is redone, with the
+            # new world's cluster version: per step, the records of the highest version
+            # are the ones that trained.
+            self._sample_file.write(json.dumps({
+                "epoch": st.epoch, "step": st.step, "rank": self.world.rank,
+                "size": self.world.size, "version": self.world.cluster_version,
+                "indices": part.indices.tolist()}) + "\n")
+        return part, micro
 
     def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None) -> None:
         """Backward of ``loss`` (the mean over the batch the loader yielded), then, after
@@ -531,7 +541,6 @@ class Job:
                 log.warning("step %d: the loss or gradient is not finite (loss %s); the update "
                             "is skipped (%d in a row)", st.step, self.last_loss,
                             self._nonfinite_run)
-        self._log_samples(self._part.indices, self.world.rank, self.world.size)
         st.sampler.advance(self._part.global_count)
         st.step += 1
         t3 = time.perf_counter()
@@ -652,11 +661,13 @@ class Job:
                 plan_text = self.engine.plan(decisions, snap, self.world.cluster_version).to_json()
         try:
             plan_text = _broadcast_text(plan_text, self.world)
+            if plan_text:
+                self._apply_decided_plan(plan_text, snap, decisions)
         except world_mod.PeerFailure as exc:
             self._recover(exc)  # or ends the job
-            return
-        if not plan_text:
-            return
+
+    def _apply_decided_plan(self, plan_text: str, snap, decisions) -> None:
+        """Every rank: the plan rank 0 broadcast, checked, recorded (rank 0) and applied."""
         plan = Plan.from_json(plan_text)
         if plan.version != self.world.cluster_version:
             raise HpcAdaptError(f"a plan of cluster version {plan.version} reached version "
@@ -747,7 +758,8 @@ class Job:
         try:
             status, joiners, detail = self.elastic.poll_grow()
         except world_mod.PeerFailure as exc:
-            self._fail(exc)
+            self._recover(exc)  # or ends the job
+            return
         if status == ABANDON:
             self._record_resize(self.elastic.abandon(detail))
         elif status == JOIN:
@@ -912,9 +924,7 @@ class Job:
         if self.elastic is not None and self.elastic.growing:
             # Joiners of a pending grow would connect to the old world: start again later.
             self._record_resize(self.elastic.abandon("a worker died"))
-        rolled_from, old_rank = self.state.step, self.world.rank
-        in_flight = {d: self.state.sampler.peek(self.state.hyper.batch_size, d, old_size).indices
-                     for d in agreement.dead} if self._sample_file is not None else {}
+        rolled_from = self.state.step
 
         def expire(reason: str) -> None:
             self._fail(world_mod.PeerFailure(reason, cause="timeout"))
@@ -925,14 +935,7 @@ class Job:
                 self.world.abandon()
                 self.optimizer.abandon_in_flight()
                 self.world.replace(comm)
-                root, furthest = self._furthest_rank()
-                if furthest > rolled_from and self._step_open:
-                    # Another survivor finished the step in flight: its update holds this
-                    # rank's samples and the dead's, which the dead cannot log any more.
-                    self._log_samples(self._part.indices, old_rank, old_size)
-                    if self.world.rank == 0:
-                        for d in agreement.dead:
-                            self._log_samples(in_flight[d], d, old_size, logged_for_dead=True)
+                root = self._furthest_rank()
                 policy_state = self.engine.state_dict() if self.world.rank == 0 else None
                 view = _CommView(self.world.comm, self.world.cluster_version)
                 view.watch = self.world.watch
@@ -969,13 +972,13 @@ class Job:
             self.request_resize(self.world.size + len(agreement.dead),
                                 f"replacing failed rank(s) {list(agreement.dead)}")
 
-    def _furthest_rank(self) -> Tuple[int, int]:
-        """The lowest rank whose state is furthest on, and its step (bounded allgather)."""
+    def _furthest_rank(self) -> int:
+        """The lowest rank whose state is furthest on (a bounded allgather of the steps)."""
         steps = np.empty(self.world.size, dtype=np.int64)
         world_mod.wait_request(self.world.comm.Iallgather(
             np.array([self.state.step], dtype=np.int64), steps), self.world.watch,
             "the recovery's step exchange")
-        return int(np.argmax(steps)), int(steps.max())
+        return int(np.argmax(steps))
 
     def _join(self) -> None:
         """A worker started for a grow: connect, merge, receive the state."""
