@@ -102,10 +102,12 @@ def end_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int) -> List[dict]:
-    metrics = os.path.join(tmp, "hpcadapt.jsonl")
-    stop = os.path.join(tmp, "hpcadapt.stop")
-    err = os.path.join(tmp, "hpcadapt.stderr")
+def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
+                      kill_rank: str, out: List[dict], label: str = "hpcadapt") -> None:
+    """One job, ``kills`` kills; each recovered kill is appended to ``out`` as it ends."""
+    metrics = os.path.join(tmp, f"{label}.jsonl")
+    stop = os.path.join(tmp, f"{label}.stop")
+    err = os.path.join(tmp, f"{label}.stderr")
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hpcadapt.train", "--model", "mlp",
            "--hidden", BIG, "--dataset", "synthetic", "--synthetic-samples", "1024",
            "--batch-size", "32", "--epochs", "100000", "--no-progress", "--threads", "1",
@@ -122,7 +124,6 @@ def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int) -
         return None if rc is None else (f"the hpcadapt job ended (exit {rc}; output tail: "
                                         f"{stderr_tail(err)})")
 
-    out = []
     try:
         i = 0
         for k in range(kills):
@@ -140,7 +141,7 @@ def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int) -
             pids = resize.get("pids") or []
             if len(pids) != 4:
                 raise SystemExit(f"failure benchmark: the resize line has no 4 pids: {resize}")
-            rank = 2 + k % 2
+            rank = 2 + k % 2 if kill_rank == "alternate" else int(kill_rank)
             pid = int(pids[rank])
             os.kill(pid, signal.SIGKILL)
             killed = time.time()
@@ -182,7 +183,32 @@ def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int) -
                              f"the stop file (output tail: {stderr_tail(err)})")
     finally:
         end_group(proc)
-    return out
+
+
+def hpcadapt_series(tmp: str, kills: int, timeout: float, settle_steps: int, kill_rank: str,
+                    max_crashes: int):
+    """``kills`` recovered kills; with ``max_crashes`` > 0 a job that crashes or hangs on a
+    kill is recorded and a fresh job takes over (else the benchmark fails at once)."""
+    done: List[dict] = []
+    crashes: List[dict] = []
+    job = 0
+    while len(done) < kills:
+        job += 1
+        out: List[dict] = []
+        try:
+            hpcadapt_failures(tmp, kills - len(done), timeout, settle_steps, kill_rank, out,
+                              label=f"hpcadapt-job{job}")
+        except SystemExit as e:
+            if len(crashes) >= max_crashes:
+                raise
+            crashes.append({"job": job, "after_recovered_kills": len(out), "what": str(e)})
+            print(f"  hpcadapt job {job} failed after {len(out)} recovered kill(s); a fresh "
+                  f"job goes on: {str(e)[:200]} ...", flush=True)
+        finally:
+            for r in out:
+                r["job"] = job
+            done.extend(out)
+    return done, crashes
 
 
 def torchrun_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
@@ -210,13 +236,13 @@ def torchrun_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
         i = 0
         for k in range(kills):
             gen = k
-            # this generation's first step, then a few more (and a checkpoint on disk)
+            # this generation's first step, then a few more ...
             i = wait_for(tail, i, lambda r: r["gen"] == gen,
                          f"torchrun generation {gen}'s first step", timeout, alive)
+            # ... past a checkpoint of its own, so that every generation gets further
             first = tail.rows[i]["step"]
-            need = first + settle_steps
-            if k == 0:
-                need = max(need, save_every + 1)
+            saved = -(-first // save_every) * save_every
+            need = max(first + settle_steps, saved + 1)
             i = wait_for(tail, i, lambda r: r["gen"] == gen and r["step"] >= need
                          and r["rank"] == 3, f"torchrun generation {gen}'s step {need}",
                          timeout, alive)
@@ -261,18 +287,28 @@ def run(name, extra):
                     help="torchrun's checkpoint interval in steps (default: 5)")
     ap.add_argument("--timeout", type=float, default=300.0,
                     help="seconds any one wait may take before the benchmark fails")
+    ap.add_argument("--kill-rank", choices=["alternate", "2", "3"], default="alternate",
+                    help="which joined worker of hpcadapt's 4 to kill: ranks 2 and 3 in turn "
+                         "(the rank 3 of a replaced world is the replacement), or always one")
+    ap.add_argument("--max-crashes", type=int, default=0,
+                    help="hpcadapt jobs that may crash or hang on a kill, each replaced by a "
+                         "fresh job and counted in the result (default 0: the first fails the "
+                         "benchmark)")
     ap.add_argument("--skip", choices=["hpcadapt", "torchrun"], default=None,
                     help="leave one side out (its ratios are n/a)")
     args = ap.parse_args(extra)
     tmp = tempfile.mkdtemp(prefix="hpcadapt-failure-")
     print(f"failure benchmark: logs in {tmp}", flush=True)
-    hp = [] if args.skip == "hpcadapt" else hpcadapt_failures(
-        tmp, args.kills, args.timeout, args.settle_steps)
+    hp, crashes = ([], []) if args.skip == "hpcadapt" else hpcadapt_series(
+        tmp, args.kills, args.timeout, args.settle_steps, args.kill_rank, args.max_crashes)
     tr = [] if args.skip == "torchrun" else torchrun_failures(
         tmp, args.kills, args.timeout, args.settle_steps, args.save_every)
     rows: Dict[str, dict] = {}
     for n, r in enumerate(hp, 1):
         rows[f"hpcadapt kill {n}"] = r
+    for n, c in enumerate(crashes, 1):
+        rows[f"hpcadapt crash {n}"] = {"job": c["job"],
+                                       "after_recovered_kills": c["after_recovered_kills"]}
     for n, r in enumerate(tr, 1):
         rows[f"torchrun kill {n}"] = r
     detect = median([r["detect_s"] for r in hp])
@@ -281,7 +317,9 @@ def run(name, extra):
     ratio = (restart / (detect + recover)
              if None not in (detect, recover, restart) and detect + recover > 0 else None)
     return {"benchmark": "failure", "rows": rows, "logs": tmp, "kills": args.kills,
+            "hpcadapt_crashes": crashes,
             "ratios": {
+                "failure_jobs_crashed": len(crashes) if args.skip != "hpcadapt" else None,
                 "failure_detect_s": detect,
                 "failure_recover_s": recover,
                 "failure_kill_to_step_s": median([r["kill_to_step_s"] for r in hp]),
