@@ -81,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "keeps its size")
     e.add_argument("--min-workers", type=positive_int, default=1,
                    help="never shrink below this many workers")
+    e.add_argument("--initial-workers", type=positive_int, default=None,
+                   help="train from the first step on this many workers: those the launch "
+                        "lacks (e.g. mpiexec -n 1) are started as joined workers before the "
+                        "first step, each its own launch, so that any of them that dies is "
+                        "recovered from (--on-failure); needs --max-workers")
     e.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                    help="where added workers come from: slurm (companion allocations), "
                         "local (this host), auto (slurm inside a Slurm job, else local)")

@@ -27,7 +27,8 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+import zlib
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
@@ -71,6 +72,7 @@ class JobOptions:
     bucket_bytes: Optional[int] = None
     max_workers: Optional[int] = None
     min_workers: int = 1
+    initial_workers: Optional[int] = None
     allocator: str = "auto"
     launcher: str = "process"
     join_timeout: float = 120.0
@@ -292,7 +294,10 @@ class Job:
         if o.min_workers > o.max_workers:
             raise ConfigurationError(f"--min-workers {o.min_workers} is above "
                                      f"--max-workers {o.max_workers}")
-        if o.min_workers > self.world.size and not self.joining:
+        if o.initial_workers is not None and o.initial_workers > o.max_workers:
+            raise ConfigurationError(f"--initial-workers {o.initial_workers} is above "
+                                     f"--max-workers {o.max_workers}")
+        if o.min_workers > max(self.world.size, o.initial_workers or 0) and not self.joining:
             raise ConfigurationError(f"--min-workers {o.min_workers} is above the "
                                      f"{self.world.size} workers running; start at least "
                                      f"{o.min_workers}")
@@ -344,11 +349,25 @@ class Job:
         else:
             if o.checkpoint:
                 self._resumed = self._resume(o.checkpoint)
+            if o.initial_workers is not None and o.initial_workers > self.world.size:
+                self._start_initial_workers(o.initial_workers)
             if self.world.rank == 0:
                 log.info("training on %d workers, global batch %d, policies: %s",
                          self.world.size, hyper.batch_size,
                          ", ".join(p.name for p in self.engine.policies) or "none")
         return self
+
+    def _start_initial_workers(self, count: int) -> None:
+        """--initial-workers: the workers the launch lacks join before the first step, each
+        its own launch (a dead one is then recovered from; a rank of a shared launch is not).
+        A grow that fails or times out leaves the job training at the size it has."""
+        if self.elastic is None:
+            raise ConfigurationError("--initial-workers needs --max-workers (the allocator "
+                                     "that starts them)")
+        self.request_resize(count, "initial workers")
+        while self.elastic.growing:
+            self._poll_elastic()
+            time.sleep(0.02)
 
     def _monitor_interval(self) -> int:
         import functools
@@ -935,13 +954,14 @@ class Job:
                 self.world.abandon()
                 self.optimizer.abandon_in_flight()
                 self.world.replace(comm)
-                root = self._furthest_rank()
-                policy_state = self.engine.state_dict() if self.world.rank == 0 else None
-                view = _CommView(self.world.comm, self.world.cluster_version)
-                view.watch = self.world.watch
-                self.state.broadcast(view, is_root=self.world.rank == root, root=root)
-                if policy_state is not None:
-                    self.engine.load_state_dict(policy_state)  # rank 0's decide
+                root, same = self._survey_survivors()
+                if not same:
+                    policy_state = self.engine.state_dict() if self.world.rank == 0 else None
+                    view = _CommView(self.world.comm, self.world.cluster_version)
+                    view.watch = self.world.watch
+                    self.state.broadcast(view, is_root=self.world.rank == root, root=root)
+                    if policy_state is not None:
+                        self.engine.load_state_dict(policy_state)  # rank 0's decide
             except world_mod.PeerFailure as again:
                 self._fail(again)
         self._walk = None
@@ -972,13 +992,20 @@ class Job:
             self.request_resize(self.world.size + len(agreement.dead),
                                 f"replacing failed rank(s) {list(agreement.dead)}")
 
-    def _furthest_rank(self) -> int:
-        """The lowest rank whose state is furthest on (a bounded allgather of the steps)."""
-        steps = np.empty(self.world.size, dtype=np.int64)
-        world_mod.wait_request(self.world.comm.Iallgather(
-            np.array([self.state.step], dtype=np.int64), steps), self.world.watch,
-            "the recovery's step exchange")
-        return int(np.argmax(steps))
+    def _survey_survivors(self):
+        """(the lowest rank whose state is furthest on, whether every survivor's state is
+        the same): one bounded allgather of each rank's step and a fingerprint of the rest
+        (epoch, data cursor, hyper-parameters). Equal steps mean equal weights (every rank
+        applied the same updates), so equal fingerprints need no state broadcast."""
+        st = self.state
+        plain = json.dumps([st.epoch, st.sampler.cursor, asdict(st.hyper), st.applied_lr],
+                           sort_keys=True, default=str)
+        mine = np.array([st.step, zlib.crc32(plain.encode())], dtype=np.int64)
+        table = np.empty((self.world.size, 2), dtype=np.int64)
+        world_mod.wait_request(self.world.comm.Iallgather(mine, table), self.world.watch,
+                               "the recovery's state survey")
+        same = bool((table == table[0]).all())
+        return int(np.argmax(table[:, 0])), same
 
     def _join(self) -> None:
         """A worker started for a grow: connect, merge, receive the state."""

@@ -230,6 +230,28 @@ def test_sigkill_of_a_joined_worker_is_recovered_in_place(tmp_path):
     run.assert_no_process_left()
 
 
+def test_initial_workers_started_alone_are_each_recovered_from(tmp_path):
+    """`mpiexec -n 1 ... --initial-workers 3`: ranks 1 and 2 join before the first step,
+    each its own launch, so rank 1 dying (a rank of the first launch would take the whole
+    launch with it) is recovered from too."""
+    run = Run(tmp_path, 1, ["--max-workers", "3", "--initial-workers", "3",
+                            "--check-replicas"])
+    first = run.wait_for("a first step", lambda: run.steps()[:1])[0]
+    assert first["step"] == 1 and first["world_size"] == 3, first
+    grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]][-1]
+    os.kill(grown["pids"][1], signal.SIGKILL)
+    failure = run.wait_for("the failure record", lambda: [
+        r for r in run.rows() if r.get("event") == "failure"])[0]
+    assert failure["recovered"] and failure["dead"] == [1] and failure["world_size"] == 2
+    run.wait_for("steps on 2 workers", lambda: [
+        s for s in run.steps() if s["world_size"] == 2 and s["step"] > failure["step"] + 3])
+    _replicas_identical_after_each_recovery(run)
+    run.stop_file.write_text("stop")
+    assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
+    every_sample_once(run.samples)
+    run.assert_no_process_left()
+
+
 def test_twenty_joined_workers_killed_and_replaced_in_one_job_never_hang(tmp_path):
     """The kill-a-worker test 20 times in one job: each death is recovered from, the
     replacement (--replace-failed) joins stop-free, and the next one is killed."""

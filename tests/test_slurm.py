@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -217,11 +218,19 @@ def cancel_leftovers(cluster):
 
 
 def samples_seen(folder: Path) -> collections.Counter:
-    seen: collections.Counter = collections.Counter()
+    """(epoch, sample) -> times trained. A step given up by a recovery from a dead worker is
+    logged again by the new world when redone: per step, the highest cluster version counts."""
+    steps: dict = {}
     for path in glob.glob(str(folder / "samples" / "*.jsonl")):
         with open(path, encoding="utf-8") as f:
             for line in f:
                 row = json.loads(line)
+                steps.setdefault((row["epoch"], row["step"]), []).append(row)
+    seen: collections.Counter = collections.Counter()
+    for rows in steps.values():
+        last = max(r.get("version", 0) for r in rows)
+        for row in rows:
+            if row.get("version", 0) == last:
                 seen.update((row["epoch"], i) for i in row["indices"])
     return seen
 
@@ -383,6 +392,53 @@ def test_grow_to_three_nodes_and_back_releases_the_nodes_while_training_goes_on(
     sizes_trained = [r["world_size"] for r in records(metrics, "step")]
     assert sizes_trained.count(3) >= 100 and sizes_trained[-1] == 1
     assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"])
+
+
+@pytest.mark.slurm
+def test_a_joined_worker_killed_on_slurm_is_recovered_from_and_its_node_released(
+        cluster, tmp_path, cancel_leftovers):
+    """SIGKILL of the worker a companion job added: the job trains on at 1 without a
+    restart, the companion job ends and its node is idle again while training goes on."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    args = UNTIL_STOPPED + [
+        "--policy", "resize-schedule", "--resize-schedule-steps", "5:2",
+        "--metrics-file", "m.jsonl", "--sample-log", "samples", "--check-replicas",
+        "--slurm-grow", "companion", "--stop-file", str(stop)]
+    with JobWatcher() as watch:
+        job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=2), cwd=str(tmp_path))
+        cancel_leftovers.append(job)
+        grown = wait_for(lambda: [r for r in records(metrics, "resize")
+                                  if r["ok"] and r["new_size"] == 2]
+                         and [s for s in records(metrics, "step") if s["world_size"] == 2],
+                         "a step on 2 workers", job, tmp_path)
+        grown = [r for r in records(metrics, "resize") if r["ok"] and r["new_size"] == 2][0]
+        os.kill(grown["pids"][1], signal.SIGKILL)
+        failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
+                           tmp_path)[0]
+        wait_for(lambda: [s for s in records(metrics, "step")
+                          if s["world_size"] == 1 and s["step"] > failure["step"] + 5],
+                 "steps on 1 worker after the recovery", job, tmp_path)
+        wait_for(lambda: added_nodes_back(watch, job, "companion", 2),
+                 "the companion's node idle while the training runs", job, tmp_path,
+                 timeout=180)
+        stop.touch()
+        final = watch.wait_until_gone(job, 300)
+    out = job_output(tmp_path, job)
+    assert final.state == "COMPLETED", out[-3000:]
+    assert failure["recovered"] and failure["dead"] == [1] and failure["world_size"] == 1
+    assert "recovered in" in out
+    obs = watched(watch, job)
+    g = growth(obs, job, "companion", 2)
+    assert g is not None and len(g[2]) == 1
+    assert released(obs, job, g[1], g[2])
+    assert all(j.state != "RUNNING" for j in obs[-1].named(f"hpcadapt-join-{job}"))
+    resizes = records(metrics, "resize")
+    assert [(r["old_size"], r["new_size"], r["ok"]) for r in resizes] == [(1, 2, True),
+                                                                         (2, 1, True)]
+    assert all(r["replicas_identical"] for r in resizes if r["new_size"] > 1)
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary_of(out)["epochs"])
 
 
 @pytest.mark.slurm
