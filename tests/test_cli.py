@@ -3,6 +3,7 @@ import sys
 
 import pytest
 
+from conftest import ROOT
 from hpcadapt.train import build_parser
 
 
@@ -49,3 +50,15 @@ def test_help_runs_as_a_module():
     out = subprocess.run([sys.executable, "-m", "hpcadapt.train", "--help"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "--metrics-file" in out.stdout
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--max-workers", "2", "--initial-workers", "3"], "--initial-workers 3 is above --max-workers 2"),
+    (["--initial-workers", "3"], "--initial-workers needs --max-workers"),
+])
+def test_initial_workers_that_cannot_be_started_are_refused_in_one_line(flags, words):
+    proc = subprocess.run([sys.executable, "-m", "hpcadapt.train", "--epochs", "1",
+                           "--no-progress"] + flags, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert words in proc.stderr and "Traceback" not in proc.stderr
