@@ -128,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     c.add_argument("--checkpoint", default=None, metavar="PATH",
                    help="on a stop signal save the training state here and exit with code "
                         f"{EXIT_REQUEUE}; when PATH exists at start, resume from it")
+    c.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
+                   help="also save to --checkpoint every STEPS steps (rank 0, at the step "
+                        "boundary): what survives a crash that saves nothing (a node lost, "
+                        "an MPI library crash)")
     c.add_argument("--stop-signals", type=_signal_list, default=["SIGUSR1", "SIGTERM"],
                    help="signals that stop training at the next step boundary (with "
                         "--checkpoint); Slurm: #SBATCH --signal=USR1@120")

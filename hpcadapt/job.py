@@ -84,6 +84,7 @@ class JobOptions:
     slurm_mpi: str = "pmi2"
     slurm_grow: str = "companion"
     checkpoint: Optional[str] = None
+    checkpoint_every: Optional[int] = None
     stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
     stop_file: Optional[str] = None
     metrics_file: Optional[str] = None
@@ -647,6 +648,9 @@ class Job:
             return False
         if self._max_steps_reached():
             return False
+        every = self.options.checkpoint_every
+        if every and self.options.checkpoint and st.step % every == 0 and self.world.rank == 0:
+            self._save_periodically()
         queued, self._queued_hooks = self._queued_hooks, []
         for name, extra in queued:
             self._hook(name, **extra)
@@ -1320,6 +1324,15 @@ class Job:
         communicator(self.world).broadcast(saved, root=0)
         if not saved[0]:
             self.stopped = f"{name}; state NOT saved"
+
+    def _save_periodically(self) -> None:
+        """Rank 0, --checkpoint-every: a failed write is logged and training goes on."""
+        try:
+            self.save_checkpoint(self.options.checkpoint)
+        except (OSError, RuntimeError) as exc:
+            log.error("step %d: the periodic checkpoint could not be written to %s: %s; "
+                      "training goes on, the previous checkpoint stays", self.state.step,
+                      self.options.checkpoint, exc)
 
     def _save_for_stop(self, name: str) -> bool:
         st = self.state

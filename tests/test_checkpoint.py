@@ -123,3 +123,4 @@ def test_another_model_is_refused_with_what_differs(tmp_path):
     path = saved(tmp_path)
     with pytest.raises(ValueError, match=r"'weight' has shape \(2, 4\) there and \(2, 6\)"):
         load(path, make_state(width=6))
+

@@ -281,6 +281,24 @@ def test_twenty_joined_workers_killed_and_replaced_in_one_job_never_hang(tmp_pat
     run.assert_no_process_left()
 
 
+def test_checkpoint_every_leaves_a_state_to_resume_after_a_crash_that_saves_nothing(tmp_path):
+    """--checkpoint-every 5, then every process SIGKILLed at once (nothing saved on the way
+    out): the checkpoint holds a multiple of 5 steps and a new launch resumes there."""
+    from hpcadapt.state import read_checkpoint
+
+    run = Run(tmp_path, 2, ["--checkpoint-every", "5"])
+    run.wait_for("step 12", lambda: [s for s in run.steps() if s["step"] >= 12])
+    os.killpg(run.proc.pid, signal.SIGKILL)
+    run.finish()
+    saved = read_checkpoint(str(run.checkpoint))["meta"]["step"]
+    assert saved >= 10 and saved % 5 == 0, saved
+    again = subprocess.run([mpiexec(), "-n", "2", sys.executable] + run.args +
+                           ["--max-steps", str(saved + 2)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run.checkpoint} at epoch 0, step {saved}" in again.stderr
+
+
 def test_sigkill_of_a_joined_worker_with_on_failure_stop_ends_the_job_with_the_state_saved(
         tmp_path):
     run = Run(tmp_path, 2, ["--max-workers", "3", "--policy", "resize-schedule",
