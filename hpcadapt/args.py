@@ -99,8 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="a wait on another worker (gradient allreduce, state transfer, a "
                         "join) ends as a failure after max(this, 20 x the median step time) "
                         "when that worker's liveness cannot be seen (another node); a dead "
-                        "worker on this node is noticed within 0.2 s. A failure saves the "
-                        "last committed state to --checkpoint and exits with 75")
+                        "worker on this node is noticed within about 0.1 s. A failure saves the "
+                        "last committed state to --checkpoint and exits with 75 (see --on-failure)")
     e.add_argument("--on-failure", choices=("recover", "stop"), default="recover",
                    help="when a worker that joined the running job dies: recover (the "
                         "survivors agree on who died, form a world without it, redo the step "

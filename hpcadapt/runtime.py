@@ -329,7 +329,7 @@ class PeerWatch:
     signal noticed while waiting blind (``stop_flag``) shortens the deadline to
     ``stop_grace_s``: the job then ends, saving what it holds, instead of waiting on."""
 
-    check_s = 0.2
+    check_s = 0.05
     spin_s = 0.01        # busy polling first, as MPI_Wait does: short waits cost nothing
     stop_grace_s = 5.0
 
