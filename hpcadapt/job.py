@@ -416,11 +416,15 @@ class Job:
         if not resuming:
             self._hook("before_train")
         first = True
+        skip_before = False
         while st.epoch < count and not self._over():
             if st.sampler.epoch != st.epoch:
                 st.sampler.set_epoch(st.epoch)
-            if not (resuming and first):
+            if not (resuming and first) and not skip_before:
                 self._hook("before_epoch")
+            # A recovery inside an epoch hook: the other survivors may already be training;
+            # every rank goes straight to the steps, from the state all agreed on.
+            self._recovered = skip_before = False
             first = False
             self._epoch_samples, self._epoch_losses = 0, []
             self._t_epoch = time.perf_counter()
@@ -434,6 +438,9 @@ class Job:
                 break
             done = st.sampler.epoch_done
             self._hook("after_epoch")
+            if self._recovered:
+                skip_before = True  # the agreed state says which epoch this is
+                continue
             if done:
                 st.epoch += 1
                 st.sampler.set_epoch(st.epoch)
@@ -651,13 +658,20 @@ class Job:
         every = self.options.checkpoint_every
         if every and self.options.checkpoint and st.step % every == 0 and self.world.rank == 0:
             self._save_periodically()
+        # A recovery inside a hook or the grow's poll ends the boundary at once: the other
+        # survivors may already be in the next step, which every rank then starts afresh
+        # (another collective of this boundary would meet no partner).
         queued, self._queued_hooks = self._queued_hooks, []
         for name, extra in queued:
             self._hook(name, **extra)
             if self.left:
                 return False
+            if self._recovered:
+                return True
         if self.engine.active and self.engine.due(st.step, self.monitored):
             self._hook("after_step")
+            if self._recovered:
+                return True
         if not self.left:
             self._poll_elastic()
         if self.allocator is not None and hasattr(self.allocator, "reap"):
