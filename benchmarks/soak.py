@@ -561,8 +561,10 @@ class Soak:
             "all_failures_recovered": all(f.get("recovered") for f in failures),
             "replicas_identical": all(r.get("replicas_identical") for r in resizes if r["ok"]),
             "fds_bounded": res["fd_growth_max"] <= self.a.max_fd_growth,
+            # One zombie may be a joiner's launcher that exited since the last step boundary
+            # (rank 0 reaps them there); more would be launchers never reaped.
             "children_bounded": res["children_growth_max"] <= self.a.max_children_growth
-            and res["zombies_last_max"] == 0,
+            and res["zombies_last_max"] <= 1,
             "rss_bounded": res["rss_growth_mb_max"] <= self.a.max_rss_growth_mb,
         }
         return {
