@@ -43,6 +43,16 @@ def points(pairs) -> str:
     return ",".join(f"{at}:{merged[at]}" for at in sorted(merged))
 
 
+def adaptive(policy: str, own: List[str]) -> List[str]:
+    """An adaptive run from batch 32 (32 to 512, every 10 steps after 50, 100 apart), the
+    policy's ``own`` flags, the monitors' EMA and the linear rule with its ramp."""
+    p = f"--{policy}-"
+    return fixed(SMALL_BATCH, SMALL_LR) + [
+        "--policy", policy, p + "min", str(SMALL_BATCH), p + "max", "512", p + "interval", "10",
+        p + "warmup", "50", p + "cooldown", "100"] + own + [
+        "--monitor-ema", "0.02", "--lr-rule", "linear", "--lr-ramp-steps", str(ADAPTIVE_RAMP)]
+
+
 def runs(epochs: int) -> Dict[str, Dict]:
     """label -> {"kind": small|large|grid|adaptive, "flags": [...], "what": description}."""
     quarter, half, late = max(1, epochs // 4), max(1, epochs // 2), max(1, (3 * epochs) // 4)
@@ -68,21 +78,11 @@ def runs(epochs: int) -> Dict[str, Dict]:
                      "--lr-rule", "linear", "--lr-ramp-steps", "8"],
                  "what": f"batch 32, 128 at epoch {quarter}, 512 at epoch {half} (linear rule)"},
         "gns-batch": {"kind": "adaptive",
-                      "flags": start + [
-                          "--policy", "gns-batch", "--gns-batch-min", str(SMALL_BATCH),
-                          "--gns-batch-max", "512", "--gns-batch-factor", "2",
-                          "--gns-batch-interval", "10", "--gns-batch-warmup", "50",
-                          "--gns-batch-cooldown", "100", "--monitor-ema", "0.02",
-                          "--lr-rule", "linear", "--lr-ramp-steps", str(ADAPTIVE_RAMP)],
+                      "flags": adaptive("gns-batch", ["--gns-batch-factor", "2"]),
                       "what": f"gns-batch from batch 32 (x2 up to 512, linear rule, "
                               f"ramp {ADAPTIVE_RAMP})"},
         "goodput": {"kind": "adaptive",
-                    "flags": start + [
-                        "--policy", "goodput", "--goodput-min", str(SMALL_BATCH),
-                        "--goodput-max", "512", "--goodput-interval", "10",
-                        "--goodput-warmup", "50", "--goodput-cooldown", "100",
-                        "--goodput-threshold", "0.1", "--monitor-ema", "0.02",
-                        "--lr-rule", "linear", "--lr-ramp-steps", str(ADAPTIVE_RAMP)],
+                    "flags": adaptive("goodput", ["--goodput-threshold", "0.1"]),
                     "what": f"goodput from batch 32 (32 to 512, linear rule, "
                             f"ramp {ADAPTIVE_RAMP})"},
     }

@@ -6,14 +6,16 @@ with --replace-failed. A joined worker (rank >= 2; the original ranks share one 
 whose death ends that launch) is SIGKILLed once the 4-worker world has trained a few steps;
 the survivors detect it, form a 3-worker world, redo the step in flight, and a replacement
 joins stop-free, after which the next worker is killed. From the metrics file:
-detect = the failure line's detected_unix - the kill's time.time(); recover = the first step
-line after it with unix_time >= recovered_unix - detected_unix (step lines are written when a
-step ends, so this includes one step on 3 workers).
+detect = the failure line's detected_unix - the kill's time.time(); recover = from the
+detection to the moment training resumes: the start of the first step after the recovery (the
+step line's unix_time - step_time_s; step lines are written when a step ends).
 torchrun: 4 workers (--standalone, gloo, DDP, --max-restarts, checkpoint every few steps by
 rank 0); a worker other than rank 0 is SIGKILLed once its generation has trained a few steps;
 the agent stops every worker and starts a new generation, which reloads the checkpoint. The
-restart is from the kill to the first step logged by the new generation (also written when
-the step ends).
+restart is from the kill to the moment training resumes: the start of the new generation's
+first step (after start-up, rendezvous, checkpoint load and DDP's broadcast).
+Both sides also report the time to the end of that first step (``*_to_step_end_s``): on this
+machine one step of this model is seconds of allreduce, the same on both sides.
 
 Both models are the resize benchmark's 25.7M-parameter MLP. Kills are spaced by waiting for
 the metrics/step logs, never by fixed sleeps; every wait has a deadline that fails the
@@ -157,9 +159,12 @@ def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
                          f"a step after the recovery (kill {k + 1})", timeout, alive)
             step = tail.rows[i]
             detect = fail["detected_unix"] - killed
-            recover = step["unix_time"] - fail["detected_unix"]
+            resumed = step["unix_time"] - step["step_time_s"]
+            recover = resumed - fail["detected_unix"]
             out.append({"killed_rank": rank, "dead": fail.get("dead"), "detect_s": detect,
-                        "recover_s": recover, "kill_to_step_s": detect + recover,
+                        "recover_s": recover, "kill_to_resume_s": detect + recover,
+                        "kill_to_step_end_s": step["unix_time"] - killed,
+                        "state_broadcast_s": fail.get("state_broadcast_s"),
                         "recovery_s": fail.get("recovery_s"), "rolled_back_to": fail.get("step"),
                         "first_step": step["step"], "first_step_world": step["world_size"],
                         "first_step_time_s": step.get("step_time_s")})
@@ -256,9 +261,10 @@ def torchrun_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
                          f"torchrun generation {gen + 1}'s first step (kill {k + 1})",
                          timeout, alive)
             new = tail.rows[i]
-            restart = new["t"] - killed
+            restart = new["t_start"] - killed
             last = max(r["step"] for r in tail.rows[:i] if r["gen"] == gen)
             out.append({"killed_rank": 3, "restart_s": restart,
+                        "restart_to_step_end_s": new["t"] - killed,
                         "resumed_at_step": new["step"] - 1, "last_step_before": last,
                         "steps_redone": last - (new["step"] - 1)})
             print(f"  torchrun kill {k + 1}: restart {restart:.3f} s", flush=True)
@@ -314,15 +320,24 @@ def run(name, extra):
     detect = median([r["detect_s"] for r in hp])
     recover = median([r["recover_s"] for r in hp])
     restart = median([r["restart_s"] for r in tr])
-    ratio = (restart / (detect + recover)
-             if None not in (detect, recover, restart) and detect + recover > 0 else None)
+    to_resume = median([r["kill_to_resume_s"] for r in hp])
+    to_end = median([r["kill_to_step_end_s"] for r in hp])
+    restart_end = median([r["restart_to_step_end_s"] for r in tr])
+    ratio = restart / to_resume if None not in (to_resume, restart) and to_resume > 0 else None
+    ratio_end = (restart_end / to_end if None not in (to_end, restart_end) and to_end > 0
+                 else None)
     return {"benchmark": "failure", "rows": rows, "logs": tmp, "kills": args.kills,
             "hpcadapt_crashes": crashes,
             "ratios": {
                 "failure_jobs_crashed": len(crashes) if args.skip != "hpcadapt" else None,
                 "failure_detect_s": detect,
                 "failure_recover_s": recover,
-                "failure_kill_to_step_s": median([r["kill_to_step_s"] for r in hp]),
+                "failure_kill_to_resume_s": to_resume,
+                "failure_kill_to_step_end_s": to_end,
                 "torchrun_restart_s": restart,
+                "torchrun_restart_to_step_end_s": restart_end,
+                # kill -> training resumes, both sides
                 "torchrun_restart_vs_failure_recover": ratio,
+                # kill -> end of the first step after it, both sides
+                "torchrun_restart_vs_failure_recover_to_step_end": ratio_end,
             }}

@@ -52,11 +52,12 @@ def main():
     x = torch.randn(16, 3, 32, 32)
     y = torch.randint(0, 10, (16,))
     while step < args.steps:
+        t_start = time.time()
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         step += 1
-        line = {"gen": gen, "rank": rank, "step": step, "t": time.time(),
+        line = {"gen": gen, "rank": rank, "step": step, "t": time.time(), "t_start": t_start,
                 "world": dist.get_world_size()}
         if args.log_pid:
             line["pid"] = os.getpid()

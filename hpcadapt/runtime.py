@@ -348,7 +348,10 @@ class PeerWatch:
 
     def dead_ranks(self) -> List[int]:
         """The ranks on this node known dead now (pid gone)."""
-        return [rank for rank, pid in self.local_peers if not pid_alive(pid)]
+        return [rank for rank, _ in self._gone()]
+
+    def _gone(self) -> List[Tuple[int, int]]:
+        return [(rank, pid) for rank, pid in self.local_peers if not pid_alive(pid)]
 
     def note_step(self, seconds: float) -> None:
         self.steps.append(seconds)
@@ -359,9 +362,8 @@ class PeerWatch:
 
     def dead(self) -> Optional[Tuple[int, str]]:
         """(rank, why) of a peer known dead now, or None."""
-        for rank, pid in self.local_peers:
-            if not pid_alive(pid):
-                return rank, f"rank {rank} (pid {pid} on this node) is gone"
+        for rank, pid in self._gone()[:1]:
+            return rank, f"rank {rank} (pid {pid} on this node) is gone"
         for source in self.sources:
             found = source()
             if found is not None:

@@ -394,6 +394,19 @@ def test_grow_to_three_nodes_and_back_releases_the_nodes_while_training_goes_on(
     assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"])
 
 
+def stop_once_the_node_is_back(watch, job, tmp_path, stop) -> str:
+    """Wait until the companion job's node is idle in sinfo while the training job still
+    runs, then stop the training by its stop file; returns the job's output once it ended
+    COMPLETED."""
+    wait_for(lambda: added_nodes_back(watch, job, "companion", 2),
+             "the companion's node idle while the training runs", job, tmp_path, timeout=180)
+    stop.touch()
+    final = watch.wait_until_gone(job, 300)
+    out = job_output(tmp_path, job)
+    assert final.state == "COMPLETED", out[-3000:]
+    return out
+
+
 @pytest.mark.slurm
 def test_a_joined_worker_killed_on_slurm_is_recovered_from_and_its_node_released(
         cluster, tmp_path, cancel_leftovers):
@@ -409,10 +422,10 @@ def test_a_joined_worker_killed_on_slurm_is_recovered_from_and_its_node_released
     with JobWatcher() as watch:
         job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=2), cwd=str(tmp_path))
         cancel_leftovers.append(job)
-        grown = wait_for(lambda: [r for r in records(metrics, "resize")
-                                  if r["ok"] and r["new_size"] == 2]
-                         and [s for s in records(metrics, "step") if s["world_size"] == 2],
-                         "a step on 2 workers", job, tmp_path)
+        wait_for(lambda: [r for r in records(metrics, "resize")
+                          if r["ok"] and r["new_size"] == 2]
+                 and [s for s in records(metrics, "step") if s["world_size"] == 2],
+                 "a step on 2 workers", job, tmp_path)
         grown = [r for r in records(metrics, "resize") if r["ok"] and r["new_size"] == 2][0]
         os.kill(grown["pids"][1], signal.SIGKILL)
         failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
@@ -420,13 +433,7 @@ def test_a_joined_worker_killed_on_slurm_is_recovered_from_and_its_node_released
         wait_for(lambda: [s for s in records(metrics, "step")
                           if s["world_size"] == 1 and s["step"] > failure["step"] + 5],
                  "steps on 1 worker after the recovery", job, tmp_path)
-        wait_for(lambda: added_nodes_back(watch, job, "companion", 2),
-                 "the companion's node idle while the training runs", job, tmp_path,
-                 timeout=180)
-        stop.touch()
-        final = watch.wait_until_gone(job, 300)
-    out = job_output(tmp_path, job)
-    assert final.state == "COMPLETED", out[-3000:]
+        out = stop_once_the_node_is_back(watch, job, tmp_path, stop)
     assert failure["recovered"] and failure["dead"] == [1] and failure["world_size"] == 1
     assert "recovered in" in out
     obs = watched(watch, job)
@@ -615,14 +622,7 @@ def test_a_users_own_script_grows_and_shrinks_on_slurm(cluster, tmp_path, cancel
         cancel_leftovers.append(job)
         wait_for(lambda: shrunk_to(metrics, 2, 1) or a_resize_failed(metrics),
                  "resize 2 -> 1 done in the metrics", job, tmp_path)
-
-        wait_for(lambda: added_nodes_back(watch, job, "companion", 2),
-                 "the added node idle in sinfo while the training runs", job, tmp_path,
-                 timeout=180)
-        stop.touch()
-        final = watch.wait_until_gone(job, 300)
-    out = job_output(tmp_path, job)
-    assert final.state == "COMPLETED", out[-3000:]
+        out = stop_once_the_node_is_back(watch, job, tmp_path, stop)
     assert f"stop file {stop} found" in out
     obs = watched(watch, job)
     g = growth(obs, job, "companion", 2)

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from procs import processes_mentioning
 
 pytestmark = pytest.mark.slow
 
@@ -30,19 +31,6 @@ SEED = 3
 # the broadcast, recovered inside Job._hook and went on with the rest of the boundary on the new
 # world while ranks 0 and 1 redid the step. A recovery now ends the boundary at once; the
 # random-victim test below (kills right after a join too) covers it.
-
-
-def _processes_mentioning(text):
-    out = []
-    for e in os.listdir("/proc"):
-        if e.isdigit() and int(e) != os.getpid():
-            try:
-                with open(f"/proc/{e}/cmdline", "rb") as f:
-                    if text.encode() in f.read():
-                        out.append(int(e))
-            except OSError:
-                pass
-    return out
 
 
 def _soak(tmp_path, events, extra):
@@ -63,7 +51,7 @@ def _soak(tmp_path, events, extra):
         raise AssertionError(f"the soak driver itself did not end:\n{log[-4000:]}")
     finally:
         # the driver kills what it started; this is the last guard (by the run's unique path)
-        for pid in _processes_mentioning(str(work / "metrics.jsonl")):
+        for pid in processes_mentioning(str(work / "metrics.jsonl")):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
