@@ -38,11 +38,14 @@ def nccl_dtype(dtype: Any) -> int:
 
 class NCCLCommunicator:
     """Collectives over NCCL for the ranks of ``comm`` (an MPI intracommunicator), on CUDA
-    device ``device`` (this rank's own GPU). Rebuild it on every cluster version."""
+    device ``device`` (this rank's own GPU). Rebuild it on every cluster version
+    (``hpcadapt.dataplane.DataPlane`` does)."""
 
-    def __init__(self, comm, device: int):
+    def __init__(self, comm, device: int, watch=None):
         import cupy
         from cupy.cuda import nccl
+
+        from hpcadapt.runtime import wait_request
 
         self._nccl = nccl
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -50,7 +53,8 @@ class NCCLCommunicator:
         uid = np.zeros(128, dtype=np.int8)
         if self.rank == 0:
             uid[:] = np.asarray(nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
-        comm.Bcast(uid, root=0)
+        # bounded like every wait on a peer (``watch``: the world's liveness checks)
+        wait_request(comm.Ibcast(uid, root=0), watch, "the NCCL unique id's broadcast")
         with cupy.cuda.Device(device):
             self._comm = nccl.NcclCommunicator(self.size, tuple(int(v) for v in uid),
                                                self.rank)

@@ -17,9 +17,10 @@ __all__ = ["HostStagedCommunicator"]
 class _Staged:
     """A host collective on a staging buffer; ``wait()`` writes the result back."""
 
-    def __init__(self, inner, tensor, host, give_back: Callable[[Any], None]):
+    def __init__(self, inner, tensor, host, give_back: Callable[[Any], None], keep=None):
         self._inner, self._tensor, self._host = inner, tensor, host
         self._give_back = give_back
+        self._keep = keep if keep is not None else host   # the staging buffer to give back
         self._done = False
 
     def test(self) -> bool:
@@ -27,10 +28,10 @@ class _Staged:
 
     def wait(self):
         if not self._done:
-            self._inner.wait()
+            result = self._inner.wait()
             # Synchronous back to a device: the buffer is reused as soon as it is given back.
-            self._tensor.copy_(self._host)
-            self._give_back(self._host)
+            self._tensor.copy_(result if self._host is None else self._host)
+            self._give_back(self._keep)
             self._done = True
         return self._tensor
 
@@ -73,6 +74,19 @@ class HostStagedCommunicator:
     def broadcast_async(self, tensor, root: int = 0) -> _Staged:
         host = self._stage(tensor)
         return _Staged(self._host.broadcast_async(host, root), tensor, host, self._give_back)
+
+    def allgather_async(self, tensor) -> _Staged:
+        """The ranks' tensors stacked on a new leading axis, on ``tensor``'s device."""
+        import torch
+
+        host = self._stage(tensor)
+        out = torch.empty((self.size,) + tuple(tensor.shape), dtype=tensor.dtype,
+                          device=tensor.device)
+        return _Staged(self._host.allgather_async(host), out, None, self._give_back,
+                       keep=host)
+
+    def barrier_async(self):
+        return self._host.barrier_async()
 
     def release(self) -> None:
         """Drop the staging buffers (after a resize the shapes may change)."""

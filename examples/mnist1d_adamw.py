@@ -4,7 +4,9 @@
         --policy gns-batch --gns-batch-max 512 --lr-rule sqrt --metrics-file run.jsonl
 
 Every flag of `hpcadapt.add_arguments` works here as on `python -m hpcadapt.train`: policies,
-monitors, --max-workers (growing and shrinking: see elastic.sh), --checkpoint (preemption).
+monitors, --max-workers (growing and shrinking: see elastic.sh), --checkpoint (preemption),
+--device (a GPU per rank when there is one). --amp trains in mixed precision (autocast and a
+gradient scaler: float16 on a GPU, bfloat16 on the CPU).
 """
 
 import hpcadapt
@@ -63,29 +65,41 @@ def main():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--samples", type=int, default=5000, help="MNIST-1D samples in all")
     parser.add_argument("--workers", type=int, default=2, help="loader worker processes")
+    parser.add_argument("--amp", action="store_true", help="mixed precision")
+    parser.add_argument("--amp-init-scale", type=float, default=2.0 ** 16,
+                        help="the gradient scaler's first loss scale")
     hpcadapt.add_arguments(parser)             # --policy, --max-workers, --checkpoint, ...
     args = parser.parse_args()
 
     job = hpcadapt.Job(args)
     torch.manual_seed(0)
     data = load_dataset("mnist1d", seed=0, num_samples=args.samples)
-    model = ConvNet()
+    device = job.device                        # this rank's GPU, or the CPU
+    model = ConvNet().to(device)
     ema = copy.deepcopy(model)                 # EMA weights: extra state of our own
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-2)
     loader = hpcadapt.ElasticDataLoader(MNIST1D(data.x_train, data.y_train), args.batch_size,
                                         num_workers=args.workers, collate_fn=collate)
-    job.setup(model, optimizer, loader, extra={"ema": ema, "updates": 0})
+    half = torch.float16 if device.type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type, init_scale=args.amp_init_scale,
+                                  enabled=args.amp)
+    # the scaler's loss scale travels with resizes and checkpoints, like the EMA weights
+    job.setup(model, optimizer, loader, extra={"ema": ema, "updates": 0, "scaler": scaler})
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.05)
+    x_test, y_test = data.x_test.to(device), data.y_test.to(device)
 
     for epoch in job.epochs(args.epochs):
         for x, y in loader:                    # this rank's share of the global batch
-            job.step(loss_fn(model(x), y))     # backward, allreduce, AdamW step
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=half, enabled=args.amp):
+                loss = loss_fn(model(x), y)
+            job.step(loss, scaler=scaler)      # backward, allreduce, AdamW step
             with torch.no_grad():
                 for e, p in zip(ema.parameters(), model.parameters()):
                     e.lerp_(p, 0.05)
             job.extra["updates"] += 1
-        job.log_epoch(test_accuracy=hpcadapt.evaluate_accuracy(model, data.x_test, data.y_test),
-                      ema_accuracy=hpcadapt.evaluate_accuracy(ema, data.x_test, data.y_test))
+        job.log_epoch(test_accuracy=hpcadapt.evaluate_accuracy(model, x_test, y_test),
+                      ema_accuracy=hpcadapt.evaluate_accuracy(ema, x_test, y_test))
     job.finish()                               # prints the summary; exit 75 after a stop signal
 
 

@@ -74,6 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "accumulate (so adaptive batch sizes are not capped by memory)")
     s.add_argument("--bucket-bytes", type=positive_int, default=None,
                    help="gradient fusion bucket size (default: HPCADAPT_BUCKET_BYTES or 4 MiB)")
+    d = parser.add_argument_group("device")
+    d.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where each rank trains: auto (a GPU when one is visible, else the "
+                        "CPU), cpu, or cuda (one line saying what is missing when it cannot "
+                        "be; GPUs need the extra `pip install \"hpcadapt[cuda]\"`)")
+    d.add_argument("--data-plane", choices=["auto", "mpi", "host-staged", "nccl"],
+                   default="auto",
+                   help="how gradients travel: auto (MPI on the CPU; NCCL on GPUs, or "
+                        "host-staged through pinned memory over MPI when ranks share a GPU or "
+                        "NCCL is missing), or one of them explicitly")
     e = parser.add_argument_group("elastic workers")
     e.add_argument("--max-workers", type=positive_int, default=None,
                    help="allow resizing up to this many workers (local allocator: slots on "

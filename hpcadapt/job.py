@@ -44,7 +44,7 @@ from .loader import ElasticDataLoader, WalkKey, split_micro
 from .metrics import DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord
 from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
                       estimate_from_replicas)
-from .parallel import DistributedOptimizer
+from .parallel import DistributedOptimizer, GradientStats
 from .plan import Plan
 from .preemption import EXIT_REQUEUE, StopSignals, parse_signal, unblock_stop_signals
 from .state import HyperParams, TrainingState, UserState
@@ -70,6 +70,8 @@ class JobOptions:
     max_nonfinite_steps: int = 5
     max_local_batch: Optional[int] = None
     bucket_bytes: Optional[int] = None
+    device: str = "auto"
+    data_plane: str = "auto"
     max_workers: Optional[int] = None
     min_workers: int = 1
     initial_workers: Optional[int] = None
@@ -229,6 +231,9 @@ class Job:
         self.world.watch.floor = o.peer_timeout
         self.world.watch.stop_flag = lambda: bool(self.stop_signals is not None
                                                   and self.stop_signals.received)
+        self.device_choice = self._choose_device()
+        #: where this rank trains: move the model (and each batch) here before ``setup``
+        self.device = torch.device(self.device_choice.torch_device)
         from hpcadapt.policies.lr_rules import LRRule
 
         self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
@@ -285,6 +290,41 @@ class Job:
                                      "a", encoding="utf-8", buffering=1)
 
     # -- set-up ------------------------------------------------------------------------------
+    def _choose_device(self):
+        """--device: this rank's device from its local rank (one GPU per rank; ranks share
+        GPUs, over the host-staged plane, when a node has more ranks than GPUs)."""
+        from .cuda.device import choose_device
+
+        choice, error = None, ""
+        try:
+            choice = choose_device(self.options.device, local_rank=self.world.local_rank,
+                                   local_size=self.world.local_size)
+        except ConfigurationError as exc:
+            error = str(exc)
+        self._agree(error)  # rank 0's problem: raised on every rank together, printed once
+        if choice is None:
+            raise ConfigurationError(error)  # this rank's alone: the job ends (exception hook)
+        if choice.kind == "cuda":
+            torch.cuda.set_device(choice.index)
+        if self.world.rank == 0 and choice.kind == "cuda":
+            log.info("device: %s", choice.reason)
+        return choice
+
+    def _data_plane(self, model: nn.Module) -> str:
+        """The plane for ``model``'s gradients; ConfigurationError when the model is not
+        on the device the job trains on (``--device`` asked explicitly)."""
+        o = self.options
+        params = [p for p in model.parameters()]
+        where = params[0].device if params else torch.device("cpu")
+        if o.device != "auto" and where.type != self.device.type:
+            raise ConfigurationError(
+                f"the model is on {where} but --device {o.device} trains on {self.device}: "
+                f"call model.to(job.device) before job.setup")
+        if o.data_plane == "auto" and where.type == "cuda":
+            return self.device_choice.data_plane if self.device_choice.kind == "cuda" \
+                else "auto"
+        return o.data_plane
+
     def _setup_elastic(self) -> None:
         from .elastic import ElasticController
 
@@ -334,7 +374,7 @@ class Job:
         self.model, self.loader = model, loader
         self.optimizer = DistributedOptimizer(
             optimizer, model.named_parameters(), world=self.world, bucket_bytes=o.bucket_bytes,
-            extra_slots=self._extra_slots())
+            extra_slots=self._extra_slots(), data_plane=self._data_plane(model))
         group = optimizer.param_groups[0]
         hyper = HyperParams(batch_size=loader.batch_size, lr=float(group["lr"]),
                             momentum=float(_momentum_of(group)), base_lr=float(group["lr"]),
@@ -519,15 +559,25 @@ class Job:
                 "indices": part.indices.tolist()}) + "\n")
         return part, micro
 
-    def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None) -> None:
+    def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None,
+             scaler: Optional[Any] = None) -> None:
         """Backward of ``loss`` (the mean over the batch the loader yielded), then, after
         the step's last micro-batch, the gradient allreduce (overlapped with backward) and
-        the optimizer step. Use it instead of ``loss.backward(); optimizer.step()``."""
+        the optimizer step. Use it instead of ``loss.backward(); optimizer.step()``.
+
+        ``scaler``: a ``torch.amp.GradScaler`` for mixed precision (pass the unscaled
+        loss): backward runs on the scaled loss, the averaged gradients are unscaled before
+        the monitors, clipping and the update, and a step whose gradients overflowed is
+        the scaler's to skip (it lowers the scale), not a divergence."""
         if not self._step_open or self._micro_left <= 0:
             raise ConfigurationError("job.step(loss) is called once per batch the loader "
                                      "yields, inside `for batch in loader`")
+        if scaler is not None and not scaler.is_enabled():
+            scaler = None
         self._loss_sum += float(loss.detach()) * self._micro_n
         scaled = loss * self._micro_share if self._micro_share != 1.0 else loss
+        if scaler is not None:
+            scaled = scaler.scale(scaled)
         last = self._micro_left == 1
         if last:
             self._stage_control()
@@ -537,9 +587,10 @@ class Job:
                 scaled.backward()
         self._micro_left -= 1
         if last:
-            self._finish_step(clip_grad_norm)
+            self._finish_step(clip_grad_norm, scaler)
 
-    def _finish_step(self, clip_grad_norm: Optional[float] = None) -> None:
+    def _finish_step(self, clip_grad_norm: Optional[float] = None,
+                     scaler: Optional[Any] = None) -> None:
         st = self.state
         t1 = time.perf_counter()
         try:
@@ -550,17 +601,34 @@ class Job:
         t2 = time.perf_counter()
         self._read_control(stats.extras, self._part.global_count)
         # The global loss arrived with the gradients: every rank sees the same value, so all
-        # skip a non-finite step together, with no extra collective.
-        finite = math.isfinite(self.last_loss) and not (
-            self.monitored and self.world.size > 1 and not math.isfinite(stats.global_sqnorm))
+        # skip a non-finite step together, with no extra collective. (With a scaler,
+        # overflowing gradients are the scaler's business: it skips and lowers the scale.)
+        grads_finite = not (self.monitored and self.world.size > 1
+                            and not math.isfinite(stats.global_sqnorm))
+        finite = math.isfinite(self.last_loss) and (grads_finite or scaler is not None)
         if finite:
             self._nonfinite_run = 0
-            if self.monitored:
+            inner = self.optimizer.optimizer
+            if scaler is not None:
+                scale = float(scaler.get_scale())
+                scaler.unscale_(inner)  # the averaged gradients, identical on every rank
+                stats = GradientStats(stats.local_sqnorm_mean / scale ** 2,
+                                      stats.global_sqnorm / scale ** 2, stats.extras)
+                if self.monitored and self.world.size == 1:
+                    grads_finite = all(bool(torch.isfinite(g).all())
+                                       for g in self.optimizer.flat_gradients())
+            if self.monitored and grads_finite:
                 self._update_monitors(stats, self._part.global_count)
             self._keep_previous_gradients()
             if clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_grad_norm)
-            self.optimizer.optimizer.step()
+            if scaler is None:
+                inner.step()
+            else:
+                scaler.step(inner)
+                scaler.update()
+                if float(scaler.get_scale()) < scale:
+                    self._prev_grads = None  # an overflow: no gradient to compare with
         else:
             self._nonfinite_run += 1
             self._prev_grads = None
@@ -952,6 +1020,7 @@ class Job:
                                        self.options.peer_timeout)
         except world_mod.PeerFailure as again:
             self._fail(again)
+        t_agreed = time.perf_counter()
         why = recovery.unrecoverable(self.world, agreement)
         if why is not None:
             self._fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
@@ -969,10 +1038,12 @@ class Job:
         with world_mod.Watchdog(self.options.peer_timeout, "the recovery", expire):
             try:
                 comm = recovery.form_world(self.world.comm, agreement.survivors)
+                t_formed = time.perf_counter()
                 self.world.abandon()
                 self.optimizer.abandon_in_flight()
                 self.world.replace(comm)
                 root, same = self._survey_survivors()
+                t_surveyed = time.perf_counter()
                 if not same:
                     policy_state = self.engine.state_dict() if self.world.rank == 0 else None
                     view = _CommView(self.world.comm, self.world.cluster_version)
@@ -986,6 +1057,9 @@ class Job:
         self._recovered = True
         self._step_open = False
         recovered = time.time()
+        phases = {"agree_s": t_agreed - t0, "form_world_s": t_formed - t_agreed,
+                  "survey_s": t_surveyed - t_formed,
+                  "state_broadcast_s": time.perf_counter() - t_surveyed if not same else None}
         if self.allocator is not None:
             self.allocator.released(len(agreement.dead))
             if hasattr(self.allocator, "reap"):
@@ -1002,7 +1076,7 @@ class Job:
                          "recovered_unix": recovered, "waited_s": exc.waited_s,
                          "recovery_s": recovered - exc.detected_at,
                          "cluster_version": self.world.cluster_version,
-                         "previous_cluster_version": version})
+                         "previous_cluster_version": version, **phases})
         self._after_resize(ResizeOutcome(old_size, self.world.size,
                                          f"failure of rank(s) {list(agreement.dead)}", 0.0,
                                          True), t0)

@@ -6,6 +6,10 @@ is ready (a post-accumulate-grad hook), the bucket is scaled by this rank's weig
 allreduce starts while backward goes on; ``step()`` waits for the rest and steps the wrapped
 optimizer. The last bucket launched in a step also carries a few extra slots: this rank's
 squared gradient norm and the caller's metrics, so monitoring needs no collective of its own.
+
+The buckets live on the parameters' device and travel over that device's data plane
+(``hpcadapt.dataplane``: MPI for CPU tensors, NCCL or host-staged for CUDA tensors); the
+step's statistics stay on the device until the one host transfer ``synchronize`` makes.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from . import runtime as _runtime  # noqa: F401 (first: it sets MPI's environmen
 from mpi4py import MPI  # noqa: E402
 
 from . import config
-from .collectives import Handle, MPICommunicator, ReduceOp, check_same_layout, communicator
+from .collectives import Handle, ReduceOp, check_same_layout
+from .dataplane import DataPlane
 from .errors import CommunicationError, ConfigurationError
 from .fusion import Bucket, plan_buckets
 from .runtime import World, wait_request, world as current_world
@@ -62,15 +67,18 @@ class _BucketState:
 class DistributedOptimizer:
     """Wrap a model's optimizer for data-parallel training over the current world.
 
-    ``named_parameters``: the model's parameters (order decides bucketing). At
-    construction, parameters and optimizer state are broadcast from rank 0 and the
-    parameter layout is checked across ranks (CommunicationError if it differs)."""
+    ``named_parameters``: the model's parameters (order decides bucketing), all on one
+    device. ``data_plane``: how the gradients travel, "auto" (MPI for CPU parameters; NCCL
+    for CUDA ones when CuPy with NCCL is installed, else host-staged), "mpi",
+    "host-staged" or "nccl" (see ``hpcadapt.dataplane``). At construction, parameters and
+    optimizer state are broadcast from rank 0 and the parameter layout is checked across
+    ranks (CommunicationError if it differs)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], *,
                  world: Optional[World] = None, bucket_bytes: Optional[int] = None,
                  extra_slots: int = 0, track_grad_norms: bool = False,
-                 broadcast_initial_state: bool = True):
+                 broadcast_initial_state: bool = True, data_plane: str = "auto"):
         self.optimizer = optimizer
         self._world = world if world is not None else current_world()
         self._bucket_bytes = bucket_bytes if bucket_bytes is not None else config.bucket_bytes()
@@ -83,11 +91,21 @@ class DistributedOptimizer:
         if len(set(names)) != len(names):
             raise ConfigurationError("parameter names must be unique")
         self._named = named
+        self._plane = DataPlane(self._world, _one_device(named), data_plane)
+        if self._plane.plane == "nccl":
+            from .cuda.nccl import nccl_dtype
+
+            for name, p in named:
+                try:
+                    nccl_dtype(p.dtype)
+                except CommunicationError as exc:
+                    raise ConfigurationError(f"parameter {name!r}: {exc}") from None
         self._extra_slots = int(extra_slots)
         self.track_grad_norms = track_grad_norms
         self._weight = None  # this rank's share of the global batch; None = 1/size
         self._staged_extras = torch.zeros(max(self._extra_slots, 0) + 1, dtype=torch.float64)
         self._skip_sync = False
+        self._synchronized = False  # synchronize() ran since the last backward
         self._version = -1
         self._buckets: List[_BucketState] = []
         self._param_bucket: Dict[torch.nn.Parameter, _BucketState] = {}
@@ -134,7 +152,13 @@ class DistributedOptimizer:
             self._reattach_views()
 
     def step(self, closure=None):
-        self.synchronize()
+        """Average the gradients (unless ``synchronize()`` already did since the last
+        backward) and step the wrapped optimizer. With a gradient scaler (mixed precision):
+        ``opt.synchronize(); scaler.step(opt); scaler.update()``, so that the scaler unscales
+        and checks the averaged gradients, not local ones still in flight."""
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     # -- data parallel controls ------------------------------------------------------
@@ -179,7 +203,7 @@ class DistributedOptimizer:
         if self._buckets and self._buckets[0].bucket.extra == self._extra_slots + 1:
             # A resize: the buckets stay (they do not depend on the world), the
             # communicator is the new world's.
-            self._comm = communicator(self._world)
+            self._comm = self._plane.current()
             self._version = self._world.cluster_version
             self._reset_step()
         else:
@@ -194,6 +218,7 @@ class DistributedOptimizer:
         ABANDONED.append(self._buckets)
         self._buckets = []
         self._version = -1
+        self._plane.close()
 
     def _build(self) -> None:
         """Bucket the parameters in reverse order (the order backward produces gradients)."""
@@ -216,7 +241,7 @@ class DistributedOptimizer:
             self._buckets.append(state)
             for p in members:
                 self._param_bucket[p] = state
-        self._comm: MPICommunicator = communicator(self._world)
+        self._comm = self._plane.current()
         self._version = self._world.cluster_version
         self._reattach_views()
         self._reset_step()
@@ -243,6 +268,7 @@ class DistributedOptimizer:
             b.sqnorm = None
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        self._synchronized = False
         if self._skip_sync:
             return
         if self._version != self._world.cluster_version:
@@ -291,12 +317,12 @@ class DistributedOptimizer:
         self._launched += 1
         extras = bucket.extras
         if self._launched == len(self._buckets):
-            # Last bucket of this step on this rank: it carries the metric slots.
-            staged = self._staged_extras.clone()
+            # Last bucket of this step on this rank: it carries the metric slots (the norm
+            # summed on the device: no host sync in backward).
+            extras.copy_(self._staged_extras)
             if self.track_grad_norms:
-                total = sum(float(b.sqnorm) for b in self._buckets if b.sqnorm is not None)
-                staged[0] = total * self._share()
-            extras.copy_(staged.to(extras.dtype))
+                norms = [b.sqnorm.double() for b in self._buckets if b.sqnorm is not None]
+                extras[0] = torch.stack(norms).sum() * self._share()
         else:
             extras.zero_()
         state.handle = self._comm.allreduce_async(bucket.flat, ReduceOp.SUM)
@@ -314,17 +340,24 @@ class DistributedOptimizer:
                     if p not in self._ready:
                         self._take_gradient(p, ready=False)
                 self._launch(state)
-        extras = np.zeros(self._extra_slots + 1, dtype=np.float64)
-        global_sq = 0.0
+        extras = None
+        squares = []
         for state in self._buckets:
             state.handle.wait()
-            ex = state.bucket.extras
-            extras += ex.double().numpy()
+            ex = state.bucket.extras.double()
+            extras = ex if extras is None else extras + ex
             if self.track_grad_norms:
                 payload = state.bucket.payload
-                global_sq += float(torch.dot(payload, payload))
-        self.last_stats = GradientStats(float(extras[0]), global_sq, extras[1:])
+                squares.append(torch.dot(payload, payload).double())
+        if squares:
+            extras = torch.cat([extras, torch.stack(squares).sum().reshape(1)])
+        # the step's one transfer to the host (a sync on a GPU)
+        host = extras.cpu().numpy()
+        global_sq = float(host[-1]) if squares else 0.0
+        self.last_stats = GradientStats(float(host[0]), global_sq,
+                                        host[1:self._extra_slots + 1].copy())
         self._reset_step()
+        self._synchronized = True
         return self.last_stats
 
     def flat_gradients(self) -> List[torch.Tensor]:
@@ -335,6 +368,17 @@ class DistributedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _one_device(named) -> torch.device:
+    """The device every parameter is on; ConfigurationError naming one that is elsewhere."""
+    first_name, first = named[0]
+    for name, p in named:
+        if p.device != first.device:
+            raise ConfigurationError(
+                f"parameter {name!r} is on {p.device} and {first_name!r} on {first.device}: "
+                f"move the whole model to one device before wrapping its optimizer")
+    return first.device
 
 
 def _bcast(comm: MPI.Intracomm, buf: np.ndarray, root: int, watch) -> None:
@@ -349,8 +393,12 @@ def _pack_broadcast(tensors: Sequence[torch.Tensor], root: int, comm: MPI.Intrac
         bucket = Bucket.for_tensors(members)
         if comm.Get_rank() == root:
             bucket.pack(members)
-        _bcast(comm, bucket.flat.numpy(), root, watch)
+        # State travels over MPI (joins and recoveries only): device tensors through the host.
+        host = bucket.flat if bucket.flat.is_cpu else bucket.flat.cpu()
+        _bcast(comm, host.numpy(), root, watch)
         with torch.no_grad():
+            if host is not bucket.flat:
+                bucket.flat.copy_(host)
             bucket.unpack(members)
 
 

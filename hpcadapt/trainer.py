@@ -47,14 +47,19 @@ def run_builtin(args: argparse.Namespace) -> Dict[str, Any]:
     data = load_dataset(args.dataset, seed=args.seed, **sizes)
     model = build_model(args.model, data.input_shape, data.num_classes, seed=args.seed,
                         hidden=args.hidden, width=args.width)
+    device = job.device
+    model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
+    on_gpu = device.type == "cuda"
     loader = ElasticDataLoader(TensorDataset(data.x_train, data.y_train),
-                               batch_size=args.batch_size, seed=args.seed)
+                               batch_size=args.batch_size, seed=args.seed, pin_memory=on_gpu)
+    x_test, y_test = data.x_test.to(device), data.y_test.to(device)
     loss_fn = nn.CrossEntropyLoss()
     job.setup(model, optimizer, loader, identity={"model": args.model, "dataset": args.dataset})
     for _ in job.epochs(args.epochs):
         for x, y in loader:
+            x, y = x.to(device, non_blocking=on_gpu), y.to(device, non_blocking=on_gpu)
             job.step(loss_fn(model(x), y))
-        job.log_epoch(test_accuracy=evaluate_accuracy(model, data.x_test, data.y_test))
+        job.log_epoch(test_accuracy=evaluate_accuracy(model, x_test, y_test))
     return job.finish()

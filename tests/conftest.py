@@ -58,6 +58,45 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 600,
     pytest.fail(f"no {what} within {timeout} s")
 
 
+def grow_and_shrink(tmp_path: Path, flags: List[str]) -> List[dict]:
+    """``python -m hpcadapt.train FLAGS`` on one rank that grows to 2 and shrinks back to 1
+    (local allocator), stopped by its stop file once the metrics show both resizes; checks
+    that both succeeded with identical replicas and returns the metrics rows."""
+    import json
+
+    metrics, stop, err = tmp_path / "grow.jsonl", tmp_path / "STOP", tmp_path / "grow.err"
+
+    def rows():
+        if not metrics.exists():
+            return []
+        return [json.loads(line) for line in metrics.read_text().splitlines() if line]
+
+    def resizes():
+        return [(r["old_size"], r["new_size"], r["ok"]) for r in rows()
+                if r["event"] == "resize"]
+
+    with open(err, "w") as ferr:
+        proc = subprocess.Popen(
+            [mpiexec(), "-n", "1", sys.executable, "-m", "hpcadapt.train", "--epochs",
+             "100000", "--no-progress", "--allocator", "local", "--max-workers", "2",
+             "--policy", "resize-schedule", "--resize-schedule-steps", "5:2,10:1",
+             "--resize-schedule-hold", "30", "--check-replicas", "--metrics-file",
+             str(metrics), "--stop-file", str(stop)] + flags,
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=ferr)
+    try:
+        wait_for(lambda: len(resizes()) >= 2, "the grow and the shrink", proc, 300, err)
+        stop.touch()
+        assert proc.wait(timeout=300) == 0, err.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert resizes() == [(1, 2, True), (2, 1, True)], resizes()
+    assert all(r["replicas_identical"] for r in rows()
+               if r["event"] == "resize" and r["new_size"] > 1)
+    return rows()
+
+
 @pytest.fixture(scope="session")
 def world():
     import hpcadapt

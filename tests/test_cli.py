@@ -62,3 +62,33 @@ def test_initial_workers_that_cannot_be_started_are_refused_in_one_line(flags, w
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _cuda_usable():
+    from hpcadapt.cuda.device import gpu_problems
+
+    return not gpu_problems()
+
+
+@pytest.mark.skipif(_cuda_usable(), reason="a GPU with CuPy and NCCL is here")
+def test_device_cuda_without_a_gpu_says_what_is_missing_on_two_ranks_and_ends(tmp_path):
+    """Every rank ends at once with exit 2; rank 0 prints the one line (what is missing and
+    how to install the extra), nobody a traceback."""
+    from conftest import mpiexec
+
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "hpcadapt.train",
+                           "--epochs", "1", "--no-progress", "--device", "cuda"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    err = proc.stderr
+    assert proc.returncode == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if "--device cuda" in line]
+    assert len(lines) == 1 and 'pip install "hpcadapt[cuda]"' in lines[0], err[-2000:]
+    assert "no GPU is visible" in lines[0] and "Traceback" not in err
+
+
+def test_data_plane_nccl_for_a_model_on_the_cpu_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "hpcadapt.train", "--epochs", "1",
+                           "--no-progress", "--device", "cpu", "--data-plane", "nccl"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "'nccl' carries CUDA tensors" in proc.stderr and "Traceback" not in proc.stderr

@@ -131,3 +131,69 @@ def test_a_stream_handle_orders_the_consumer_after_the_collective_without_a_host
     assert h.wait() == "result" and h.wait() == "result"
     assert ops.log[-1] == ("wait_event", "compute", "event1")
     assert sum(1 for e in ops.log if e[0] == "wait_event") == 1  # waited once
+
+
+# -- the data plane each device uses ---------------------------------------------------------
+def test_the_plane_follows_the_parameters_device():
+    from hpcadapt.dataplane import resolve_plane
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda:0")
+    assert resolve_plane(cpu) == resolve_plane(cpu, "mpi") == "mpi"
+    assert resolve_plane(cpu, "host-staged") == "host-staged"
+    assert resolve_plane(cuda, "nccl") == "nccl"
+    assert resolve_plane(cuda, "host-staged") == "host-staged"
+    # auto on CUDA: NCCL only where CuPy with NCCL is there
+    assert resolve_plane(cuda) == ("host-staged" if gpu_problems() else "nccl")
+
+
+@pytest.mark.parametrize("device, plane, words", [
+    ("cpu", "nccl", ["'nccl' carries CUDA tensors", "model to the GPU"]),
+    ("cuda:1", "mpi", ["'mpi' carries CPU tensors", "cuda:1", "'nccl' or 'host-staged'"]),
+    ("cpu", "gloo", ["'gloo'", "'auto'", "'host-staged'"]),
+    ("meta", "auto", ["meta", "cpu or cuda"]),
+])
+def test_a_plane_that_cannot_carry_the_tensors_is_refused_in_one_line(device, plane, words):
+    from hpcadapt.dataplane import resolve_plane
+
+    with pytest.raises(ConfigurationError) as exc:
+        resolve_plane(torch.device(device), plane)
+    assert all(w in str(exc.value) for w in words) and "\n" not in str(exc.value)
+
+
+def test_parameters_on_two_devices_are_refused_naming_the_tensor_and_the_devices():
+    import hpcadapt
+
+    hpcadapt.init()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1].to("meta")
+    with pytest.raises(ConfigurationError) as exc:
+        hpcadapt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      model.named_parameters())
+    assert "'1.weight' is on meta" in str(exc.value) and "'0.weight' on cpu" in str(exc.value)
+
+
+def test_the_communicator_is_rebuilt_on_a_new_cluster_version_and_the_old_one_aborted():
+    """What a resize or a recovery does to the NCCL plane, with stand-ins for the
+    communicators (building a real one needs a GPU)."""
+    from hpcadapt.dataplane import DataPlane
+
+    class World:
+        cluster_version = 0
+
+    class Comm:
+        def __init__(self):
+            self.aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    built = []
+    plane = DataPlane(World(), torch.device("cuda:0"), "nccl")
+    plane._build = lambda: built.append(Comm()) or built[-1]
+    first = plane.current()
+    assert plane.current() is first and len(built) == 1
+    World.cluster_version = 1
+    second = plane.current()
+    assert second is not first and first.aborted and not second.aborted
+    plane.close()
+    assert second.aborted and plane.current() is built[-1] and len(built) == 3

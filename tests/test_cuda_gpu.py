@@ -49,3 +49,49 @@ def test_host_staged_cuda_tensors_at_world_size_one():
     x = torch.randn(4096, device="cuda:0")
     want = x.clone() * staged.size
     assert torch.allclose(staged.allreduce_async(x).wait(), want)
+
+
+# -- the wrapper and the entry point on the GPU ---------------------------------------------
+def _train(tmp_path, name, ranks, flags):
+    import json
+
+    from conftest import run_mpi
+
+    path = tmp_path / f"{name}.jsonl"
+    run_mpi(ranks, ["-m", "hpcadapt.train", "--model", "cnn", "--epochs", "20",
+                    "--no-progress", "--check-replicas", "--metrics-file", str(path)] + flags,
+            timeout=900)
+    rows = [json.loads(line) for line in open(path)]
+    return rows, [r for r in rows if r["event"] == "epoch"][-1]["test_accuracy"]
+
+
+def test_the_built_in_cnn_trains_on_the_gpu_to_the_cpu_accuracy(tmp_path):
+    """One rank on the GPU over NCCL, then two ranks sharing it (host-staged), against the
+    CPU path: the same accuracy to a point."""
+    _, cpu = _train(tmp_path, "cpu", 1, ["--device", "cpu"])
+    _, gpu = _train(tmp_path, "gpu", 1, ["--device", "cuda"])
+    _, shared = _train(tmp_path, "shared", 2, ["--device", "cuda"])
+    assert abs(gpu - cpu) <= 0.01 and abs(shared - cpu) <= 0.01, (cpu, gpu, shared)
+
+
+def test_a_grow_and_a_shrink_rebuild_the_host_staged_plane_on_the_gpu(tmp_path):
+    from conftest import grow_and_shrink
+
+    rows = grow_and_shrink(tmp_path, ["--device", "cuda", "--data-plane", "host-staged"])
+    assert {r["world_size"] for r in rows if r["event"] == "step"} == {1, 2}
+
+
+def test_a_user_script_in_mixed_precision_on_the_gpu(tmp_path):
+    import json
+
+    from conftest import ROOT, run_mpi
+
+    path = tmp_path / "amp.jsonl"
+    proc = run_mpi(1, [str(ROOT / "examples" / "mnist1d_adamw.py"), "--epochs", "3",
+                       "--workers", "0", "--no-progress", "--amp", "--monitor", "gns",
+                       "--metrics-file", str(path)], timeout=600)
+    summary = json.loads([line for line in proc.stdout.splitlines()
+                          if line.startswith("{")][-1])
+    assert summary["final_test_accuracy"] > 0.6
+    steps = [json.loads(line) for line in open(path) if '"step"' in line]
+    assert any(s["monitors"].get("noise_scale") for s in steps)

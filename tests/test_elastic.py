@@ -110,3 +110,12 @@ def test_resize_without_allocator_is_refused_and_training_goes_on(tmp_path):
     assert "no allocator (start with --max-workers)" in proc.stderr
     steps = [r for r in read_jsonl(metrics) if r["event"] == "step"]
     assert len(steps) == 45 and all(r["world_size"] == 2 for r in steps)
+
+
+def test_the_host_staged_plane_is_rebuilt_across_a_grow_and_a_shrink(tmp_path):
+    """The data plane GPUs use when ranks share one, here with CPU tensors: a new
+    communicator per cluster version, replicas identical after each resize."""
+    from conftest import grow_and_shrink
+
+    rows = grow_and_shrink(tmp_path, ["--data-plane", "host-staged"])
+    assert {r["world_size"] for r in rows if r["event"] == "step"} == {1, 2}

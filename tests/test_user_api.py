@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -263,3 +264,39 @@ def test_a_diverging_run_stops_with_the_last_good_state_and_is_not_requeued(tmp_
     assert "is skipped (3 in a row)" in proc.stderr
     s = summary_of(proc.stdout)
     assert s["stopped"].startswith("3 steps with a non-finite loss") and s["epochs"] == 0
+
+
+def _amp_run(tmp_path, name, flags):
+    path = tmp_path / f"{name}.jsonl"
+    proc = run_mpi(2, [EXAMPLE, "--epochs", "3", "--workers", "0", "--no-progress",
+                       "--monitor", "gns", "--metrics-file", str(path)] + flags, timeout=600)
+    steps = [r for r in metrics(path) if r.get("event") == "step"]
+    return summary_of(proc.stdout), steps, proc.stderr
+
+
+@pytest.mark.slow
+def test_mixed_precision_with_a_gradient_scaler_trains_and_monitors_like_full_precision(
+        tmp_path):
+    """The example with --amp (autocast to bfloat16 on the CPU, a GradScaler passed to
+    job.step) against the same run in float32: the same accuracy to a few points, and the
+    monitors see the unscaled gradients (|G|^2 of the same size, not 2^32 times larger).
+    A first scale of 1e38 overflows the gradients: the scaler skips those steps and lowers
+    the scale; the job neither counts them as divergence nor feeds them to the monitors."""
+    full, full_steps, _ = _amp_run(tmp_path, "fp32", [])
+    amp, amp_steps, _ = _amp_run(tmp_path, "amp", ["--amp"])
+    over, over_steps, over_err = _amp_run(tmp_path, "overflow",
+                                          ["--amp", "--amp-init-scale", "1e38"])
+    assert full["final_test_accuracy"] > 0.6
+    for run in (amp, over):
+        assert run["steps"] == full["steps"] and run["stopped"] is None
+        assert abs(run["final_test_accuracy"] - full["final_test_accuracy"]) < 0.05, run
+
+    def median_grad_sq(steps):
+        values = sorted(s["monitors"]["grad_sq"] for s in steps[20:])
+        return values[len(values) // 2]
+
+    ratio = median_grad_sq(amp_steps) / median_grad_sq(full_steps)
+    assert 0.5 < ratio < 2, ratio
+    assert "not finite" not in over_err and "non-finite" not in over_err, over_err[-2000:]
+    assert all(math.isfinite(s["monitors"]["noise_scale"]) for s in over_steps
+               if s["monitors"].get("noise_scale") is not None)
