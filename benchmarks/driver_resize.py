@@ -6,6 +6,8 @@ hpcadapt: the entry point on 1 rank with a resize-schedule 1 -> 2 -> 4 -> 2 -> 1
 the time from the moment the running ranks stop to accept joiners (or split off leavers) until
 the next step can start, as rank 0 measures it; decision_to_first_step_s adds the joiners'
 start-up, during which training went on.
+Warm spare: the same 1 -> 2 grow with --warm-spares 1 (a worker started ahead, idle until the
+grow takes it), scheduled late enough for the spare to be warm (the run fails otherwise).
 torchrun: 1 worker trains and checkpoints every 5 steps; at a checkpoint the membership changes
 to 2 workers, which start and reload the checkpoint. The restart time is from the last step
 before the change to the first step after it."""
@@ -18,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from launch import ROOT, env, run_mpi
+from launch import ROOT, env, mpiexec, run_mpi
 
 BIG = "4096,2560,1024"   # about 25.7M parameters on 3x32x32 inputs
 SMALL = "256,256"
@@ -40,6 +42,58 @@ def hpcadapt_pauses(hidden, tmp, label, max_steps):
             out[f"{r['old_size']}->{r['new_size']}"] = {
                 "pause_s": r["pause_s"], "decision_to_first_step_s": r["decision_to_first_step_s"]}
     return out
+
+
+def hpcadapt_warm_spare(hidden, tmp, grow_at=60):
+    """decision_to_first_step_s and pause_s of a 1 -> 2 grow taken by a warm spare."""
+    metrics = os.path.join(tmp, "hpcadapt-warm-spare.jsonl")
+    cmd = [mpiexec(), "-n", "1", sys.executable, "-m", "hpcadapt.train", "--model", "mlp",
+           "--hidden", hidden, "--dataset", "synthetic", "--synthetic-samples", "1024",
+           "--batch-size", "32", "--epochs", "100000", "--max-steps", str(grow_at + 20),
+           "--no-progress", "--threads", "1", "--max-workers", "2", "--warm-spares", "1",
+           "--policy", "resize-schedule", "--resize-schedule-steps", f"{grow_at}:2",
+           "--metrics-file", metrics]
+    proc = subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"the warm-spare run failed (exit {proc.returncode}): "
+                         f"{proc.stderr[-2000:]}")
+    if "took 1 spare(s) (1 warm)" not in proc.stderr:
+        raise SystemExit(f"the spare was not warm at step {grow_at} (start-up slower than "
+                         f"{grow_at} steps): {proc.stderr[-2000:]}")
+    with open(metrics) as f:
+        grows = [r for r in map(json.loads, f) if r["event"] == "resize" and r["ok"]]
+    return {"pause_s": grows[0]["pause_s"],
+            "decision_to_first_step_s": grows[0]["decision_to_first_step_s"]}
+
+
+BROADCAST_CODE = """
+import sys, time
+import numpy as np
+from mpi4py import MPI
+n = int(sys.argv[1])
+buf = np.ones(n, dtype=np.uint8)
+times = []
+for _ in range(7):
+    MPI.COMM_WORLD.Barrier()
+    t0 = time.perf_counter()
+    MPI.COMM_WORLD.Bcast(buf, root=0)
+    MPI.COMM_WORLD.Barrier()
+    times.append(time.perf_counter() - t0)
+if MPI.COMM_WORLD.Get_rank() == 0:
+    print(sorted(times)[len(times) // 2])
+"""
+
+
+def plain_broadcast_s(nbytes):
+    """Median time of a plain MPI_Bcast of ``nbytes`` between 2 ranks of one launch (shared
+    memory): the floor a join's state transfer could reach."""
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-c", BROADCAST_CODE,
+                           str(nbytes)], env=env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"the plain broadcast failed: {proc.stderr[-2000:]}")
+    return float(proc.stdout.split()[-1])
 
 
 def torchrun_restart(hidden, tmp):
@@ -95,16 +149,26 @@ def run(name, extra):
     tmp = tempfile.mkdtemp(prefix="hpcadapt-resize-")
     big = hpcadapt_pauses(BIG, tmp, "25M", 400)
     small = hpcadapt_pauses(SMALL, tmp, "small", 30000)  # fast steps: joiners need many
+    spare = hpcadapt_warm_spare(BIG, tmp)
+    # the state a joiner receives: the parameters and SGD's momentum, float32
+    params = 3 * 32 * 32 * 4096 + 4096 * 2560 + 2560 * 1024 + 1024 * 10 + 4096 + 2560 + 1024 + 10
+    bcast = plain_broadcast_s(2 * 4 * params)
     tr = torchrun_restart(BIG, tmp)
     rows = {f"25M {k}": v for k, v in big.items()}
     rows.update({f"small {k}": v for k, v in small.items()})
     rows["torchrun 25M 1->2"] = tr
+    rows["25M 1->2 warm spare"] = spare
+    rows["plain broadcast of the 25M state (2 ranks)"] = {"seconds": bcast,
+                                                          "bytes": 2 * 4 * params}
     out_pause = big["1->2"]["pause_s"]
     return {"benchmark": "resize", "rows": rows, "ratios": {
         "scale_out_pause_s": out_pause,
         "scale_out_2_4_pause_s": big["2->4"]["pause_s"],
         "scale_in_pause_s": big["2->1"]["pause_s"],
         "scale_out_decision_to_first_step_s": big["1->2"]["decision_to_first_step_s"],
+        "warm_spare_decision_to_first_step_s": spare["decision_to_first_step_s"],
+        "warm_spare_pause_s": spare["pause_s"],
+        "scale_out_pause_vs_broadcast": out_pause / bcast,
         "torchrun_restart_s": tr["restart_s"],
         "torchrun_restart_vs_scale_out_pause": tr["restart_s"] / out_pause,
     }}

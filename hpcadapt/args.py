@@ -28,6 +28,7 @@ ALLOCATORS = ["auto", "local", "slurm"]
 positive_int = argparse_type(params.positive_int)
 positive_float = argparse_type(params.positive_float)
 _fraction_open = argparse_type(params.fraction_open)
+_non_negative_int = argparse_type(params.non_negative_int)
 
 
 def _signal_list(text: str) -> List[str]:
@@ -105,6 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "MPICH run mpiexec with -disable-auto-cleanup)")
     e.add_argument("--join-timeout", type=positive_float, default=120.0,
                    help="seconds a grow may wait for its workers before it is abandoned")
+    e.add_argument("--warm-spares", type=_non_negative_int, default=0, metavar="K",
+                   help="keep K workers started ahead (imports done, model built, data "
+                        "loaded), idle until a grow takes them, so that a grow waits for no "
+                        "start-up; replaced in the background after each grow. They hold "
+                        "slots (Slurm: nodes) while idle; clipped to the allocator's free "
+                        "ones. Needs --max-workers")
     e.add_argument("--peer-timeout", type=positive_float, default=30.0,
                    help="a wait on another worker (gradient allreduce, state transfer, a "
                         "join) ends as a failure after max(this, 20 x the median step time) "

@@ -12,6 +12,13 @@ Shrinking. The leavers (the highest ranks, or the ones named) take ``Split(UNDEF
 leave; the data cursor is global, so nothing is lost. A process that was launched alone (every
 joiner) exits at once; one launched together with others waits, sleeping, for its siblings.
 
+Warm spares (``--warm-spares K``). Rank 0 starts K workers ahead, each with a folder of its
+own marked ``spare``: they import, build the model and load the data like any joiner, say
+they are warm, and idle (a sleep loop, watching rank 0's pid and their folder) until a grow
+takes them by writing the port into their folder. A grow that finds enough warm spares joins
+those instead of starting workers, so it waits for no start-up; new spares are started after
+it, in the background. Spares hold slots (or nodes): opt-in.
+
 The cluster version goes up exactly once per successful resize."""
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ class _PendingGrow:
     target: int
     reason: str
     port: str
-    directory: str
+    tickets: List["JoinTicket"]   # where each joiner finds the port and says it is ready
     workers: List[Worker]
     decided_at: float
     deadline: float
@@ -82,6 +89,32 @@ class JoinTicket:
     def ready_file(self) -> str:
         return os.path.join(self.directory, f"ready-{self.worker_id}")
 
+    def turn_file(self) -> str:
+        return os.path.join(self.directory, f"turn-{self.worker_id}")
+
+    def wait_for_port(self) -> str:
+        """The port to connect to: at once for a worker started for a grow. A warm spare (a
+        ``spare`` file in its folder, naming rank 0's node and pid) first says it is warm
+        and idles until a grow takes it (the port file appears), or until the job is gone
+        (its folder removed, or rank 0's process gone): MembershipError."""
+        marker = os.path.join(self.directory, SPARE_FILE)
+        if os.path.exists(marker):
+            with open(marker, encoding="utf-8") as f:
+                node, owner = (int(x) for x in f.read().split())
+            _write_atomic(os.path.join(self.directory, f"warm-{self.worker_id}"),
+                          str(os.getpid()))
+            while not os.path.exists(self.port_file()):
+                if not os.path.isdir(self.directory) or (node == _rt.node_key()
+                                                         and not _rt.pid_alive(owner)):
+                    raise MembershipError("the job this spare waited for has ended")
+                time.sleep(SPARE_POLL_S)
+        try:
+            with open(self.port_file(), encoding="utf-8") as f:
+                return f.read().strip()
+        except FileNotFoundError:
+            raise MembershipError(f"no port file in {self.directory}: the job this worker "
+                                  f"was started for has ended or given up the grow") from None
+
     @classmethod
     def claim(cls, directory: str, limit: int = 4096) -> "JoinTicket":
         """The first worker id in ``directory`` no other joiner has claimed (an exclusive
@@ -107,6 +140,9 @@ def _write_atomic(path: str, text: str) -> None:
         f.write(text)
     os.replace(tmp, path)
 
+
+SPARE_FILE = "spare"
+SPARE_POLL_S = 0.005   # how often an idle spare looks for its port (a stat call)
 
 _JOIN_TAG = 7707
 _PING_TAG = 7708
@@ -177,7 +213,7 @@ def _accept_watched(port: str, worker: Optional[Worker], timeout: float):
 
 
 def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
-                   directory: str = "", workers: Sequence[Worker] = (),
+                   tickets: Sequence[JoinTicket] = (), workers: Sequence[Worker] = (),
                    watch: Optional[PeerWatch] = None,
                    accept_timeout: float = ACCEPT_TIMEOUT,
                    on_bridge=None) -> MPI.Intracomm:
@@ -211,7 +247,7 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
             worker = workers[index] if index < len(workers) else None
             # Joiners connect one at a time, in their id order, when given the turn:
             # concurrent connects to one port crashed MPICH here.
-            _write_atomic(os.path.join(directory, f"turn-{index}"), "go")
+            _write_atomic(tickets[index].turn_file(), "go")
             inter, why = _accept_watched(port, worker, accept_timeout)
             if inter is not None:
                 ping = np.zeros(1, dtype=np.int64)
@@ -256,18 +292,16 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
             remaining[0] -= 1
 
 
-def join_running_job(ticket: JoinTicket, on_bridge=None) -> MPI.Intracomm:
+def join_running_job(ticket: JoinTicket, on_bridge=None,
+                     port: Optional[str] = None) -> MPI.Intracomm:
     """In a joining worker: say it is ready, connect to rank 0 of the running job, receive
     the state over that bridge (``on_bridge(bridge)``), join the whole job across it, and
-    take part in admitting the joiners after it; returns the job's new communicator."""
-    try:
-        with open(ticket.port_file(), encoding="utf-8") as f:
-            port = f.read().strip()
-    except FileNotFoundError:
-        raise MembershipError(f"no port file in {ticket.directory}: the job this worker was "
-                              f"started for has ended or given up the grow") from None
+    take part in admitting the joiners after it; returns the job's new communicator.
+    ``port``: already read (``ticket.wait_for_port()``)."""
+    if port is None:
+        port = ticket.wait_for_port()
     _write_atomic(ticket.ready_file(), str(os.getpid()))
-    turn = os.path.join(ticket.directory, f"turn-{ticket.worker_id}")
+    turn = ticket.turn_file()
     while not os.path.exists(turn):
         if not os.path.isdir(ticket.directory):
             raise MembershipError(f"the join folder {ticket.directory} is gone: the job "
@@ -284,7 +318,7 @@ def join_running_job(ticket: JoinTicket, on_bridge=None) -> MPI.Intracomm:
     merged = inter.Merge(high=True)
     inter.Disconnect()
     bridge.Free()
-    return accept_joiners(merged, port, 0, ticket.directory)
+    return accept_joiners(merged, port, 0)
 
 
 class _JoinerWatch:
@@ -332,6 +366,9 @@ class ElasticController:
         self.join_root = join_root
         self.accept_timeout = ACCEPT_TIMEOUT
         self.pending: Optional[_PendingGrow] = None
+        self.warm_spares = 0   # spares to keep (rank 0 keeps them; see keep_spares)
+        self.spares: List[Tuple[JoinTicket, Worker]] = []
+        self._clip_logged = False
         self.growing = False   # known on every rank: a grow is pending
         self.left = False      # this process has left the job
 
@@ -359,28 +396,42 @@ class ElasticController:
             log.warning(message)
 
     def start_grow(self, target: int, reason: str) -> Optional[ResizeOutcome]:
-        """Every rank: mark the grow pending; rank 0 launches the joiners. A launch that
-        fails is reported on every rank (rank 0 broadcasts it) and nothing changes."""
+        """Every rank: mark the grow pending; rank 0 takes its spares (``--warm-spares``)
+        and launches joiners for the rest. A launch that fails is reported on every rank
+        (rank 0 broadcasts it) and nothing changes."""
         error = ""
         if self.world.rank == 0:
-            if self.join_root:
-                os.makedirs(self.join_root, exist_ok=True)
-            directory = tempfile.mkdtemp(prefix="hpcadapt-join-", dir=self.join_root)
-            port = MPI.Open_port()
-            _write_atomic(os.path.join(directory, "port"), port)
             count = target - self.world.size
+            port = MPI.Open_port()
+            now = time.perf_counter()
+            # Spares first (warm ones before those still starting), started workers for
+            # the rest.
+            live = [sp for sp in self.spares if sp[1].failed() is None]
+            warm = self._warm_spares()
+            taken = (warm + [sp for sp in live if sp not in warm])[:count]
+            tickets, workers = [t for t, _ in taken], [w for _, w in taken]
+            directory = None
             try:
-                workers = self.allocator.launch([list(self.joiner_argv)] * count,
-                                                {JOIN_DIR_VARIABLE: directory})
-                log.info("grow %d -> %d: started %d joining workers (%s)", self.world.size,
-                         target, count, reason)
-                now = time.perf_counter()
-                self.pending = _PendingGrow(target, reason, port, directory, workers, now,
-                                            now + self.join_timeout)
+                if len(taken) < count:
+                    directory = self._folder("hpcadapt-join-")
+                    _write_atomic(os.path.join(directory, "port"), port)
+                    cold = count - len(taken)
+                    workers += self.allocator.launch([list(self.joiner_argv)] * cold,
+                                                     {JOIN_DIR_VARIABLE: directory})
+                    tickets += [JoinTicket(directory, i) for i in range(cold)]
             except AllocationError as exc:
                 MPI.Close_port(port)
                 _remove_folder(directory)
                 error = str(exc)
+            else:
+                self.spares = [sp for sp in self.spares if sp not in taken]
+                for ticket, _ in taken:
+                    _write_atomic(ticket.port_file(), port)
+                log.info("grow %d -> %d: started %d joining workers, took %d spare(s) (%d "
+                         "warm) (%s)", self.world.size, target, count - len(taken),
+                         len(taken), len([sp for sp in taken if sp in warm]), reason)
+                self.pending = _PendingGrow(target, reason, port, tickets, workers, now,
+                                            now + self.join_timeout)
         failed = _bcast_flag(self.world.comm, bool(error), self.world.watch)
         if failed:
             if self.world.rank == 0:
@@ -398,8 +449,7 @@ class ElasticController:
         if self.world.rank == 0 and self.pending is not None:
             p = self.pending
             dead = [(i, w.failed()) for i, w in enumerate(p.workers) if w.failed()]
-            ready = [os.path.exists(JoinTicket(p.directory, i).ready_file())
-                     for i in range(len(p.workers))]
+            ready = [os.path.exists(t.ready_file()) for t in p.tickets]
             if dead:
                 i, why = dead[0]
                 status[0], detail = ABANDON, f"joining worker {i} {why}"
@@ -416,9 +466,9 @@ class ElasticController:
     def join(self, count: int, on_bridge=None) -> MPI.Intracomm:
         """Every rank of the running job: accept the joiners; returns the new communicator."""
         port = self.pending.port if self.pending is not None else ""
-        directory = self.pending.directory if self.pending is not None else ""
+        tickets = self.pending.tickets if self.pending is not None else []
         workers = self.pending.workers if self.pending is not None else []
-        new = accept_joiners(self.world.comm, port, count, directory, workers,
+        new = accept_joiners(self.world.comm, port, count, tickets, workers,
                              self.world.watch, min(self.accept_timeout, self.join_timeout),
                              on_bridge)
         self._finish_grow()
@@ -438,9 +488,72 @@ class ElasticController:
     def _finish_grow(self) -> None:
         if self.pending is not None:
             MPI.Close_port(self.pending.port)
-            _remove_folder(self.pending.directory)
+            for directory in sorted({t.directory for t in self.pending.tickets}):
+                _remove_folder(directory)
         self.pending = None
         self.growing = False
+
+    # -- warm spares (rank 0) -----------------------------------------------------------------
+    def _folder(self, prefix: str) -> str:
+        if self.join_root:
+            os.makedirs(self.join_root, mode=0o700, exist_ok=True)
+        return tempfile.mkdtemp(prefix=prefix, dir=self.join_root)
+
+    def _warm_spares(self) -> List[Tuple[JoinTicket, Worker]]:
+        return [(t, w) for t, w in self.spares
+                if w.failed() is None and os.path.exists(
+                    os.path.join(t.directory, f"warm-{t.worker_id}"))]
+
+    def keep_spares(self) -> None:
+        """Rank 0, between steps: start spares until ``warm_spares`` are up or starting,
+        within the allocator's free slots (a request beyond them is clipped, logged once).
+        A spare that died is dropped; one that dies before it was ever warm stops the
+        spares altogether (the same start-up would fail again), with the reason."""
+        if self.world.rank != 0 or self.warm_spares <= 0 or self.growing:
+            return
+        for ticket, worker in list(self.spares):
+            why = worker.failed()
+            if why is None:
+                continue
+            self.spares.remove((ticket, worker))
+            was_warm = os.path.exists(os.path.join(ticket.directory,
+                                                   f"warm-{ticket.worker_id}"))
+            _remove_folder(ticket.directory)
+            if not was_warm:
+                log.error("a warm spare %s before it was ready: no more spares are started "
+                          "(--warm-spares)", why)
+                self.warm_spares = 0
+                self.stop_spares()
+                return
+        free = self.allocator.capacity() - self.world.size
+        want = min(self.warm_spares, max(free, 0))
+        if want < self.warm_spares and not self._clip_logged:
+            # said once, at the start (later, a full job simply has no room for spares)
+            log.warning("--warm-spares %d clipped to %d: the allocator has %d free slot(s) "
+                        "beside the %d workers", self.warm_spares, want, max(free, 0),
+                        self.world.size)
+        self._clip_logged = True
+        while len(self.spares) < want:
+            directory = self._folder("hpcadapt-spare-")
+            with open(os.path.join(directory, SPARE_FILE), "w", encoding="utf-8") as f:
+                f.write(f"{_rt.node_key()} {os.getpid()}")
+            try:
+                worker = self.allocator.launch([list(self.joiner_argv)],
+                                               {JOIN_DIR_VARIABLE: directory})[0]
+            except AllocationError as exc:
+                _remove_folder(directory)
+                log.error("a warm spare could not be started (%s): no more spares", exc)
+                self.warm_spares = 0
+                return
+            self.spares.append((JoinTicket(directory, 0), worker))
+
+    def stop_spares(self) -> None:
+        """Rank 0: stop the spares and remove their folders (at the end of training)."""
+        for ticket, worker in self.spares:
+            worker.stop()
+            if os.path.isdir(ticket.directory):
+                _remove_folder(ticket.directory)
+        self.spares = []
 
     def decided_at(self) -> float:
         return self.pending.decided_at if self.pending is not None else float("nan")

@@ -75,6 +75,7 @@ class JobOptions:
     max_workers: Optional[int] = None
     min_workers: int = 1
     initial_workers: Optional[int] = None
+    warm_spares: int = 0
     allocator: str = "auto"
     launcher: str = "process"
     join_timeout: float = 120.0
@@ -335,6 +336,8 @@ class Job:
         if o.min_workers > o.max_workers:
             raise ConfigurationError(f"--min-workers {o.min_workers} is above "
                                      f"--max-workers {o.max_workers}")
+        if o.warm_spares < 0:
+            raise ConfigurationError(f"--warm-spares {o.warm_spares}: give 0 or more")
         if o.initial_workers is not None and o.initial_workers > o.max_workers:
             raise ConfigurationError(f"--initial-workers {o.initial_workers} is above "
                                      f"--max-workers {o.max_workers}")
@@ -347,6 +350,7 @@ class Job:
                                          join_timeout=o.join_timeout,
                                          min_workers=o.min_workers, join_root=join_root)
         self.elastic.accept_timeout = o.peer_timeout
+        self.elastic.warm_spares = 0 if self.joining else o.warm_spares
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               loader: ElasticDataLoader, *, extra: Optional[Mapping[str, Any]] = None,
@@ -390,8 +394,13 @@ class Job:
         else:
             if o.checkpoint:
                 self._resumed = self._resume(o.checkpoint)
+            if o.warm_spares and self.elastic is None:
+                raise on_every_rank(ConfigurationError(
+                    "--warm-spares needs --max-workers (the allocator that starts them)"))
             if o.initial_workers is not None and o.initial_workers > self.world.size:
                 self._start_initial_workers(o.initial_workers)
+            if self.elastic is not None:
+                self.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
                 log.info("training on %d workers, global batch %d, policies: %s",
                          self.world.size, hyper.batch_size,
@@ -858,7 +867,10 @@ class Job:
     def _poll_elastic(self) -> None:
         from .elastic import ABANDON, JOIN, JoinAborted, ResizeOutcome
 
-        if self.elastic is None or not self.elastic.growing:
+        if self.elastic is None:
+            return
+        self.elastic.keep_spares()  # rank 0, not while a grow is pending
+        if not self.elastic.growing:
             return
         try:
             status, joiners, detail = self.elastic.poll_grow()
@@ -985,9 +997,9 @@ class Job:
         self.sink.close()
         if self._sample_file is not None:
             self._sample_file.close()
-        if self.elastic is not None and self.elastic.pending is not None \
-                and self.world.rank == 0:
-            for w in self.elastic.pending.workers:
+        if self.elastic is not None and self.world.rank == 0:
+            self.elastic.stop_spares()
+            for w in self.elastic.pending.workers if self.elastic.pending is not None else []:
                 w.stop()
         if self.allocator is not None:
             try:
@@ -1106,7 +1118,15 @@ class Job:
         from .elastic import JoinAborted
 
         self._drop_spawn_parent()
-        ticket = JoinTicket.claim(self._join_dir)
+        try:
+            ticket = JoinTicket.claim(self._join_dir)
+            # A warm spare idles here until a grow takes it (the deadline starts after).
+            port = ticket.wait_for_port()
+        except MembershipError as exc:
+            log.info("not joining (%s): this worker exits", exc)
+            logging.shutdown()
+            os._exit(3)
+
         def expire(reason: str) -> None:
             log.error("the join was given up (%s): this worker exits", reason)
             logging.shutdown()
@@ -1114,7 +1134,8 @@ class Job:
 
         try:
             with world_mod.Watchdog(self.options.peer_timeout, "joining the job", expire):
-                self.world.replace(join_running_job(ticket, self._receive_state_over_bridge),
+                self.world.replace(join_running_job(ticket, self._receive_state_over_bridge,
+                                                    port),
                                    version=self._joined_version)
                 self._confirm_join()
         except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
@@ -1471,6 +1492,8 @@ class Job:
         self.sink.close()
         if self._sample_file is not None:
             self._sample_file.close()
+        if self.elastic is not None:
+            self.elastic.stop_spares()
         if self.allocator is not None:
             self.allocator.close()
         self.exit_code = 0

@@ -65,7 +65,7 @@ class World:
         # Every rank learns where every other one runs (node, pid): processes on one node
         # form the node (rank order decides local ranks), and a peer on this node whose pid
         # is gone is known dead while we wait for it (liveness without heartbeats).
-        mine = np.array([_node_key(), os.getpid(), launch_id()], dtype=np.int64)
+        mine = np.array([node_key(), os.getpid(), launch_id()], dtype=np.int64)
         table = np.empty((self.size, 3), dtype=np.int64)
         old = getattr(self, "watch", None)
         # A new member's pid is not known yet: this wait has a plain deadline.
@@ -166,7 +166,7 @@ def launch_id() -> int:
     its first process. Computed once (a broadcast among the launch's processes)."""
     global _launch_id
     if _launch_id is None:
-        mine = (_node_key() << 22) ^ os.getpid()
+        mine = (node_key() << 22) ^ os.getpid()
         comm = MPI.COMM_WORLD
         _launch_id = int(comm.bcast(mine, root=0)) if comm.Get_size() > 1 else mine
     return _launch_id
@@ -290,7 +290,7 @@ class PeerFailure(Exception):
         self.detected_at = time.time()
 
 
-def _node_key() -> int:
+def node_key() -> int:
     """This node, as a number: the host name, the boot and the pid namespace (so pids of
     two containers on one host are never compared)."""
     parts = [socket.gethostname()]

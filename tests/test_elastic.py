@@ -119,3 +119,65 @@ def test_the_host_staged_plane_is_rebuilt_across_a_grow_and_a_shrink(tmp_path):
 
     rows = grow_and_shrink(tmp_path, ["--data-plane", "host-staged"])
     assert {r["world_size"] for r in rows if r["event"] == "step"} == {1, 2}
+
+
+def test_a_warm_spare_is_taken_by_a_grow_and_replaced_and_nothing_is_left(tmp_path):
+    """--warm-spares 1 with room for 3: a spare starts with the job and reports warm; the
+    grow it then triggers is joined by that very process (its pid in the resize line),
+    a new spare starts in the freed slot; SIGKILLed while idle, it is replaced; at the end
+    no spare process and no spare folder is left."""
+    import glob
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import mpiexec, wait_for
+    from procs import processes_mentioning
+
+    metrics, stop, grow = tmp_path / "m.jsonl", tmp_path / "STOP", tmp_path / "GROW"
+    err = tmp_path / "err"
+    spares = tmp_path / "spares"
+    spares.mkdir()
+
+    def warm():
+        """{folder: pid} of the spares that said they are warm."""
+        return {os.path.dirname(p): int(open(p).read()) for p in
+                glob.glob(str(spares / "hpcadapt-spare-*" / "warm-0"))}
+
+    def resizes():
+        rows = read_jsonl(metrics) if metrics.exists() else []
+        return [r for r in rows if r["event"] == "resize"]
+
+    with open(err, "w") as ferr:
+        proc = subprocess.Popen(
+            [mpiexec(), "-n", "1", sys.executable, str(ROOT / "tests" / "scripts" /
+                                                     "grow_on_file.py"),
+             "--grow-file", str(grow), "--allocator", "local", "--max-workers", "3",
+             "--warm-spares", "1", "--metrics-file", str(metrics), "--stop-file", str(stop)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=ferr, text=True,
+            env=dict(os.environ, TMPDIR=str(spares)))
+    try:
+        first = wait_for(lambda: warm(), "a warm spare", proc, 300, err)
+        (folder, spare_pid), = first.items()
+        grow.touch()
+        done = wait_for(lambda: [r for r in resizes() if r["ok"]], "the grow", proc, 300, err)
+        assert done[0]["new_size"] == 2 and spare_pid in done[0]["pids"], done
+        assert not os.path.exists(folder)   # a taken spare's folder goes with the grow
+        second = wait_for(lambda: warm(), "a new spare in the free slot", proc, 300, err)
+        (_, replacement), = second.items()
+        assert replacement != spare_pid
+        os.kill(replacement, signal.SIGKILL)
+        third = wait_for(lambda: {f: p for f, p in warm().items() if p != replacement},
+                         "the killed spare replaced", proc, 300, err)
+        assert len(third) == 1
+        stop.touch()
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.read_text()
+    assert "took 1 spare(s) (1 warm)" in text, text[-3000:]
+    assert not glob.glob(str(spares / "hpcadapt-spare-*")), "a spare folder was left"
+    assert not processes_mentioning(str(metrics)), "a spare outlived the job"
