@@ -349,7 +349,10 @@ class Job:
         self.elastic = ElasticController(self.world, self.allocator, joiner_argv(),
                                          join_timeout=o.join_timeout,
                                          min_workers=o.min_workers, join_root=join_root)
-        self.elastic.accept_timeout = o.peer_timeout
+        # Rank 0 gives up a joiner that does not connect well before the others' bounded
+        # waits for its word (--peer-timeout) expire: the grow is then abandoned and training
+        # goes on, instead of the job ending (the 200-event soak met exactly that race).
+        self.elastic.accept_timeout = o.peer_timeout / 3
         self.elastic.warm_spares = 0 if self.joining else o.warm_spares
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
