@@ -28,6 +28,8 @@ BENCHMARKS = {
                                     "API vs the built-in entry point"),
     "slurm-resize": ("driver_slurm", "Slurm test cluster: decision to new nodes training, "
                                      "and to released nodes idle; vs resubmitting"),
+    "gpu": ("driver_gpu", "one GPU: hpcadapt vs DDP over NCCL, monitoring overhead, NCCL vs "
+                          "host-staged allreduce bandwidth"),
 }
 
 
@@ -57,6 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the result JSON here")
     args, extra = ap.parse_known_args(argv)
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    if args.name == "all":
+        from hpcadapt.cuda.device import gpu_problems
+
+        missing = gpu_problems()
+        if missing:
+            print(f"gpu benchmark left out of 'all': {'; '.join(missing)}", flush=True)
+            names.remove("gpu")
     results = {}
     for name in names:
         driver = importlib.import_module(BENCHMARKS[name][0])
