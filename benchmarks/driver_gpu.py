@@ -1,30 +1,70 @@
-"""gpu: hpcadapt's data plane on one GPU, measured side by side in one run.
+"""gpu: hpcadapt's GPU data plane on one GPU (world size 1), measured side by side in one run.
 
-1. Training step of the 25.7M-parameter MLP (batch 256 of random 3x32x32 inputs on the
-   GPU, SGD with momentum): hpcadapt's DistributedOptimizer over NCCL against torch's
-   DistributedDataParallel on the NCCL process group, both at world size 1; rounds alternate
-   the two, each round times ``--steps`` steps after a warm-up (torch.cuda.synchronize()
-   around), and the ratio is of the median samples/s (``hpcadapt_vs_torch_ddp_gpu``).
-2. The same hpcadapt loop with the noise-scale statistics every step (track_grad_norms) vs
-   off: ``gpu_gns_every_step_throughput`` = on / off.
-3. Allreduce bandwidth of float32 CUDA tensors from 1 MB to 256 MB, NCCL vs host-staged
-   (pinned host buffers over MPI): GB/s per size and ``nccl_vs_host_staged_allreduce_<N>MB``.
+What is measured, and how:
 
-Without a GPU, CuPy or NCCL it says what is missing in one line and exits non-zero."""
+1. Training throughput of the 25.7M-parameter MLP (``build_model("mlp", (3, 32, 32), 10,
+   hidden=[4096, 2560, 1024])``; a fixed batch of ``--batch-size`` random inputs and labels
+   already on the GPU; SGD, momentum 0.9): hpcadapt's ``DistributedOptimizer`` with
+   ``data_plane="nccl"`` against torch's ``DistributedDataParallel`` on the NCCL process
+   group. Each contender is warmed up, then ``--rounds`` rounds each time ``--steps`` steps
+   of every contender in rotating order, with ``torch.cuda.synchronize()`` before starting
+   and before stopping the clock. Ratio of the median samples/s:
+   ``hpcadapt_vs_torch_ddp_gpu`` = hpcadapt / DDP.
+2. The same hpcadapt loop with the noise-scale statistics every step
+   (``opt.track_grad_norms = True``) as a third contender of those rounds:
+   ``gpu_gns_every_step_throughput`` = on / off.
+3. Allreduce bandwidth of float32 CUDA tensors of 1, 4, 16, 64 and 256 MB, NCCL
+   (``hpcadapt.cuda.nccl.NCCLCommunicator`` over ``MPI.COMM_SELF``) vs host-staged
+   (``hpcadapt.cuda.staged.HostStagedCommunicator``: pinned host buffers over MPI): the
+   median time of ``allreduce_async(x).wait()`` plus a device synchronize, as GB/s
+   (10^9 bytes of the tensor per second) per size and path, and
+   ``nccl_vs_host_staged_allreduce_<N>MB`` = NCCL / host-staged.
+4. The GPU's name and the torch, CUDA, CuPy and NCCL versions go into the result.
+
+At world size 1 no bytes cross between GPUs: NCCL's allreduce is a copy on the device and
+the host-staged one is the device-to-host and host-to-device copies around MPI, so (3) is
+the cost of staging through the host, and (1) compares the two libraries' per-step
+overheads around the same model.
+
+No timed assertions: the numbers are reported, not judged. ``--device cpu`` is refused in
+one line; without a GPU, CuPy or NCCL the benchmark says what is missing and how to install
+it in one line and exits non-zero (``raise SystemExit(message)``: no traceback)."""
 
 from __future__ import annotations
 
 import argparse
-import socket
-import statistics
 import time
 from typing import Callable, Dict, List
 
-BIG = [4096, 2560, 1024]
+from common import free_port, interleaved, median
+
+HIDDEN = [4096, 2560, 1024]
+INPUT_SHAPE = (3, 32, 32)
+CLASSES = 10
 SIZES_MB = [1, 4, 16, 64, 256]
+WARMUP_STEPS = 5
+ALLREDUCE_REPEATS = 5
 
 
-def _require_gpu() -> None:
+def parse_args(name: str, extra: List[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=f"run.py {name}")
+    ap.add_argument("--device", default="cuda",
+                    help="cuda (the default and the only choice: cpu is refused)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per round (20)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of every contender; medians are reported (5)")
+    ap.add_argument("--batch-size", type=int, default=256, help="samples per step (256)")
+    args = ap.parse_args(extra)
+    if args.device != "cuda":
+        raise SystemExit(f"gpu benchmark: --device {args.device} is refused: it measures "
+                         "a GPU (the CPU is measured by the ddp and allreduce benchmarks)")
+    if min(args.steps, args.rounds, args.batch_size) < 1:
+        raise SystemExit("gpu benchmark: --steps, --rounds and --batch-size must be >= 1")
+    return args
+
+
+def require_gpu() -> None:
+    """One line saying what is missing and how to install it, unless all is there."""
     from hpcadapt.cuda.device import INSTALL_HINT, gpu_problems
 
     problems = gpu_problems()
@@ -32,133 +72,171 @@ def _require_gpu() -> None:
         raise SystemExit(f"gpu benchmark: {'; '.join(problems)}; {INSTALL_HINT}")
 
 
-def _model(torch):
+def sync(torch, device) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_mlp(torch, device):
     from hpcadapt.models import build_model
 
-    torch.manual_seed(0)
-    return build_model("mlp", (3, 32, 32), 10, hidden=BIG).cuda()
+    torch.manual_seed(0)  # both contenders start from the same weights
+    return build_model("mlp", INPUT_SHAPE, CLASSES, hidden=HIDDEN).to(device)
 
 
-def _throughput(torch, step: Callable[[], None], steps: int, batch: int) -> float:
-    """samples/s of ``steps`` calls of ``step`` (the device drained before and after)."""
-    torch.cuda.synchronize()
+def sgd(torch, model):
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def training_step(torch, model, optimizer, x, y) -> Callable[[], None]:
+    """One step: zero the gradients, forward, backward, optimizer step."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step() -> None:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def samples_per_s(torch, device, step: Callable[[], None], steps: int, batch: int) -> float:
+    sync(torch, device)
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    sync(torch, device)
     return steps * batch / (time.perf_counter() - t0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def training(torch, device, steps: int, rounds: int, batch: int, *, plane: str = "nccl",
+             backend: str = "nccl") -> Dict[str, List[float]]:
+    """samples/s per round of hpcadapt (noise-scale statistics off and on) and DDP.
 
-
-def training(torch, steps: int, rounds: int, batch: int) -> Dict[str, List[float]]:
-    """samples/s per round: hpcadapt (monitors off and on) and DDP, alternating."""
+    ``plane``/``backend``: hpcadapt's data plane and torch.distributed's backend (NCCL on
+    the GPU; "mpi"/"gloo" let the same code run on the CPU)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     import hpcadapt
 
-    x = torch.randn(batch, 3, 32, 32, device="cuda")
-    y = torch.randint(0, 10, (batch,), device="cuda")
-    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.randn(batch, *INPUT_SHAPE, device=device)
+    y = torch.randint(0, CLASSES, (batch,), device=device)
 
-    ours = _model(torch)
-    opt = hpcadapt.DistributedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.01,
-                                                        momentum=0.9),
-                                        ours.named_parameters(), data_plane="nccl")
+    ours = build_mlp(torch, device)
+    opt = hpcadapt.DistributedOptimizer(sgd(torch, ours), ours.named_parameters(),
+                                        data_plane=plane)
+    ours_step = training_step(torch, ours, opt, x, y)
 
-    def hpcadapt_step():
-        opt.zero_grad()
-        loss_fn(ours(x), y).backward()
-        opt.step()
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    ddp = DistributedDataParallel(build_mlp(torch, device),
+                                  device_ids=[device.index] if device.type == "cuda" else None)
+    ddp_step = training_step(torch, ddp, sgd(torch, ddp), x, y)
 
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1)
-    ddp = DistributedDataParallel(_model(torch), device_ids=[0])
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    def hpcadapt_with(gns: bool) -> Callable[[], None]:
+        def step() -> None:
+            opt.track_grad_norms = gns
+            ours_step()
+        return step
 
-    def ddp_step():
-        ddp_opt.zero_grad()
-        loss_fn(ddp(x), y).backward()
-        ddp_opt.step()
-
-    out: Dict[str, List[float]] = {"hpcadapt": [], "hpcadapt_gns": [], "ddp": []}
-    for step in (hpcadapt_step, ddp_step):
-        for _ in range(5):
-            step()
-    for r in range(rounds):
-        order = ["hpcadapt", "ddp", "hpcadapt_gns"] if r % 2 == 0 else \
-            ["hpcadapt_gns", "ddp", "hpcadapt"]
-        for name in order:
-            opt.track_grad_norms = name == "hpcadapt_gns"
-            step = ddp_step if name == "ddp" else hpcadapt_step
-            out[name].append(_throughput(torch, step, steps, batch))
-    dist.destroy_process_group()
-    opt.remove_hooks()
-    return out
+    steps_of = {"hpcadapt": hpcadapt_with(False), "hpcadapt_gns": hpcadapt_with(True),
+                "ddp": ddp_step}
+    try:
+        for step in steps_of.values():
+            for _ in range(WARMUP_STEPS):
+                step()
+        return interleaved({name: (lambda s=step: samples_per_s(torch, device, s, steps, batch))
+                            for name, step in steps_of.items()}, rounds)
+    finally:
+        opt.remove_hooks()
+        dist.destroy_process_group()
 
 
-def bandwidth(torch, repeats: int = 5) -> Dict[str, Dict[str, float]]:
-    """GB/s of an allreduce per size, NCCL vs host-staged (median of ``repeats``)."""
+def allreduce_seconds(torch, device, comm, x, repeats: int) -> float:
+    """Median seconds of one allreduce of ``x`` until its result is on the device (the
+    first, untimed call builds buffers)."""
+    times = []
+    for _ in range(repeats + 1):
+        sync(torch, device)
+        t0 = time.perf_counter()
+        comm.allreduce_async(x).wait()
+        sync(torch, device)
+        times.append(time.perf_counter() - t0)
+    return median(times[1:])
+
+
+def bandwidth(torch, device, paths: Dict[str, object], sizes_mb: List[int] = SIZES_MB,
+              repeats: int = ALLREDUCE_REPEATS) -> Dict[str, Dict[str, float]]:
+    """Rows ``allreduce <N> MB`` of GB/s per path (``paths``: name -> communicator)."""
+    rows = {}
+    for mb in sizes_mb:
+        nbytes = mb * 1024 * 1024
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        rows[f"allreduce {mb} MB"] = {
+            f"{name}_GBps": nbytes / 1e9 / allreduce_seconds(torch, device, comm, x, repeats)
+            for name, comm in paths.items()}
+        del x
+    return rows
+
+
+def gpu_allreduce_paths(torch, device) -> Dict[str, object]:
+    """NCCL over MPI.COMM_SELF, and host-staged over hpcadapt's MPI communicator."""
     from mpi4py import MPI
 
     import hpcadapt
     from hpcadapt.cuda.nccl import NCCLCommunicator
     from hpcadapt.cuda.staged import HostStagedCommunicator
 
-    nccl = NCCLCommunicator(MPI.COMM_SELF, 0)
-    staged = HostStagedCommunicator(hpcadapt.communicator())
-    rows = {}
-    for mb in SIZES_MB:
-        x = torch.ones(mb * 1024 * 1024 // 4, device="cuda")
-        row = {}
-        for name, comm in (("nccl", nccl), ("host_staged", staged)):
-            times = []
-            for _ in range(repeats + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                comm.allreduce_async(x).wait()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            row[f"{name}_GBps"] = mb / 1024 / statistics.median(times[1:])
-        rows[f"allreduce {mb} MB"] = row
-    nccl.destroy()
-    return rows
+    return {"nccl": NCCLCommunicator(MPI.COMM_SELF, device.index),
+            "host_staged": HostStagedCommunicator(hpcadapt.communicator())}
+
+
+def versions(torch) -> Dict[str, object]:
+    import cupy
+    import cupy.cuda.nccl
+
+    return {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "cupy": cupy.__version__, "nccl": int(cupy.cuda.nccl.get_version())}
+
+
+def ratios_of(train: Dict[str, float], bw_rows: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    ratios = {"hpcadapt_vs_torch_ddp_gpu": train["hpcadapt"] / train["ddp"],
+              "gpu_gns_every_step_throughput": train["hpcadapt_gns"] / train["hpcadapt"]}
+    for label, row in bw_rows.items():
+        mb = label.split()[1]
+        ratios[f"nccl_vs_host_staged_allreduce_{mb}MB"] = \
+            row["nccl_GBps"] / row["host_staged_GBps"]
+    return ratios
 
 
 def run(name, extra):
-    ap = argparse.ArgumentParser(prog=f"run.py {name}")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--batch-size", type=int, default=256)
-    args = ap.parse_args(extra)
-    if args.device != "cuda":
-        raise SystemExit("gpu benchmark: --device cpu has nothing to measure here; the CPU "
-                         "path is the ddp and allreduce benchmarks")
-    _require_gpu()
-    import cupy
+    args = parse_args(name, extra)
+    require_gpu()
     import torch
 
     import hpcadapt
 
     hpcadapt.init()
-    speeds = training(torch, args.steps, args.rounds, args.batch_size)
-    med = {k: statistics.median(v) for k, v in speeds.items()}
-    rows = {f"train {k}": {"samples_per_s": v} for k, v in med.items()}
-    bw = bandwidth(torch)
-    rows.update(bw)
-    ratios = {"hpcadapt_vs_torch_ddp_gpu": med["hpcadapt"] / med["ddp"],
-              "gpu_gns_every_step_throughput": med["hpcadapt_gns"] / med["hpcadapt"]}
-    for label, row in bw.items():
-        mb = label.split()[1]
-        ratios[f"nccl_vs_host_staged_allreduce_{mb}MB"] = \
-            row["nccl_GBps"] / row["host_staged_GBps"]
-    return {"benchmark": "gpu", "rows": rows, "ratios": ratios,
-            "gpu": torch.cuda.get_device_name(0),
-            "versions": {"torch": torch.__version__, "cupy": cupy.__version__,
-                         "nccl": int(cupy.cuda.nccl.get_version())}}
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    per_round = training(torch, device, args.steps, args.rounds, args.batch_size)
+    train = {k: median(v) for k, v in per_round.items()}
+
+    paths = gpu_allreduce_paths(torch, device)
+    bw_rows = bandwidth(torch, device, paths)
+    paths["nccl"].destroy()
+    paths["host_staged"].release()
+
+    rows = {f"train {k}": {"samples_per_s": v} for k, v in train.items()}
+    rows.update(bw_rows)
+    model_params = sum(p.numel() for p in build_mlp(torch, "cpu").parameters())
+    return {"benchmark": "gpu", "rows": rows, "ratios": ratios_of(train, bw_rows),
+            "samples_per_s_per_round": per_round,
+            "gpu": torch.cuda.get_device_name(0), "versions": versions(torch),
+            "settings": {"world_size": 1, "model": "mlp", "hidden": HIDDEN,
+                         "parameters": model_params, "batch_size": args.batch_size,
+                         "steps": args.steps, "rounds": args.rounds,
+                         "warmup_steps": WARMUP_STEPS, "sizes_mb": SIZES_MB,
+                         "allreduce_repeats": ALLREDUCE_REPEATS, "optimizer": "SGD momentum 0.9"}}
