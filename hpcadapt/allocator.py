@@ -122,6 +122,29 @@ def launcher_free_environ() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_VARS)}
 
 
+def _agent_output():
+    """Under ``hpcadapt.agent``: the agent's own stdout and stderr, opened anew (appending),
+    for a worker's launcher. Without the agent (None, None) the launcher inherits this
+    process's, which are pipes to this rank's launcher: they break when this rank dies, and
+    a worker that outlives it (its role moved) must keep its output."""
+    from . import agent
+
+    pid = agent.agent_pid()
+    if pid is None:
+        return None, None
+    opened = []
+    try:
+        for fd in (1, 2):
+            opened.append(os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND |
+                                  os.O_CLOEXEC))
+    except OSError as exc:
+        for f in opened:
+            os.close(f)
+        log.debug("the agent's output cannot be opened (%s): the worker inherits ours", exc)
+        return None, None
+    return opened[0], opened[1]
+
+
 def find_mpiexec(given: Optional[str]) -> str:
     """``given``, else the mpiexec beside this Python, else the one on PATH."""
     if given:
@@ -162,8 +185,17 @@ class LocalAllocator:
                     workers.append(_SpawnedWorker(argv, env))
                 else:
                     cmd = [self._find_mpiexec(), "-n", "1", sys.executable] + list(argv)
-                    proc = subprocess.Popen(cmd, env={**launcher_free_environ(), **env},
-                                            stdin=subprocess.DEVNULL)
+                    out, err = _agent_output()
+                    try:
+                        # A session of its own: rank 0's launcher, cleaning up after rank
+                        # 0 dies, signals rank 0's process group, not the workers'.
+                        proc = subprocess.Popen(cmd, env={**launcher_free_environ(), **env},
+                                                stdin=subprocess.DEVNULL, stdout=out,
+                                                stderr=err, start_new_session=True)
+                    finally:
+                        for f in (out, err):
+                            if f is not None:
+                                os.close(f)
                     workers.append(_ProcessWorker(proc))
         except OSError as exc:
             for w in workers:

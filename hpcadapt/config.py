@@ -11,6 +11,8 @@ __all__ = [
     "check_collectives",
     "log_level",
     "slurm_node_name",
+    "state_transport",
+    "agent_dir",
 ]
 
 _DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -65,3 +67,40 @@ def take_join_dir() -> Optional[str]:
     with the job's port). Removed from the environment once read, so that nothing this
     worker starts later inherits it."""
     return os.environ.pop(JOIN_DIR_VARIABLE, None) or None
+
+
+_STATE_TRANSPORTS = ("auto", "mpi")
+
+
+def state_transport() -> str:
+    """How joins and recoveries move the training state, ``HPCADAPT_STATE_TRANSPORT``:
+    ``auto`` (the default: through a memory file between processes of one node, over MPI
+    otherwise) or ``mpi`` (always over MPI, for comparison)."""
+    value = os.environ.get("HPCADAPT_STATE_TRANSPORT", "auto").strip().lower() or "auto"
+    if value not in _STATE_TRANSPORTS:
+        from .errors import ConfigurationError
+
+        raise ConfigurationError(f"HPCADAPT_STATE_TRANSPORT={value!r} is not one of "
+                                 f"{', '.join(_STATE_TRANSPORTS)}")
+    return value
+
+
+AGENT_DIR_VARIABLE = "HPCADAPT_AGENT_DIR"
+
+
+def agent_dir() -> Optional[str]:
+    """``HPCADAPT_AGENT_DIR``: the private folder of the ``hpcadapt.agent`` this job runs
+    under (its workers inherit it), or None without an agent. Only a folder that exists,
+    is this user's and is private counts: anything else is ignored."""
+    path = os.environ.get(AGENT_DIR_VARIABLE)
+    if not path:
+        return None
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    import stat
+
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return path

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import config
+from . import agent, config
 from . import runtime as world_mod
 from .collectives import ReduceOp, communicator
 from .engine import PolicyEngine
@@ -247,6 +247,8 @@ class Job:
             self._check_output_folders()
         self.sink = MetricsSink(o.metrics_file if not self.joining else None,
                                 enabled=self.world.rank == 0)
+        if self.world.rank == 0 and not self.joining:
+            agent.record_coordinator()  # for the agent's signals, when there is one
         self.state: Optional[TrainingState] = None
         self.extra = UserState()
         self.left = False
@@ -1009,6 +1011,8 @@ class Job:
                 self.allocator.close(10.0)   # joined workers end on their own; then killed
             except Exception as err:  # pragma: no cover - best effort on the way out
                 log.error("could not stop the joined workers: %s", err)
+        if self.world.rank == 0:
+            agent.record_exit_code(code)
         world_mod.leave_with_launch_siblings(5.0)
         logging.shutdown()
         sys.stdout.flush()
@@ -1036,7 +1040,8 @@ class Job:
         except world_mod.PeerFailure as again:
             self._fail(again)
         t_agreed = time.perf_counter()
-        why = recovery.unrecoverable(self.world, agreement)
+        why = recovery.unrecoverable(self.world, agreement,
+                                     coordinator_may_move=config.agent_dir() is not None)
         if why is not None:
             self._fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
                                              rank=agreement.dead[0] if agreement.dead else -1,
@@ -1057,6 +1062,8 @@ class Job:
                 self.world.abandon()
                 self.optimizer.abandon_in_flight()
                 self.world.replace(comm)
+                if 0 in agreement.dead and self.world.rank == 0:
+                    self._take_coordinator_role()
                 root, same = self._survey_survivors()
                 t_surveyed = time.perf_counter()
                 if not same:
@@ -1098,6 +1105,23 @@ class Job:
         if self.options.replace_failed and self.elastic is not None:
             self.request_resize(self.world.size + len(agreement.dead),
                                 f"replacing failed rank(s) {list(agreement.dead)}")
+
+    def _take_coordinator_role(self) -> None:
+        """The lowest survivor after rank 0 died: it writes the metrics file from here on,
+        decides with the policies, saves checkpoints, starts workers (its allocator) and
+        prints the summary; the agent forwards stop signals to it. What is lost: the
+        policies' own state since this worker joined (cooldowns, counters: rank 0 alone
+        held it); every decision already applied (batch, rate, size) is in the training
+        state that all ranks hold."""
+        self.sink.close()
+        self.sink = MetricsSink.take_over(self.options.metrics_file)
+        self.joining = False  # a joiner no longer: it owns the checkpoint and the end
+        if self.elastic is not None:
+            self.elastic.warm_spares = self.options.warm_spares
+        agent.record_coordinator()
+        log.warning("rank 0 died: this worker (pid %d) is the coordinator now (metrics "
+                    "file, decisions, checkpoint, allocator); the policies' own state "
+                    "since it joined is lost", os.getpid())
 
     def _survey_survivors(self):
         """(the lowest rank whose state is furthest on, whether every survivor's state is
@@ -1509,6 +1533,8 @@ class Job:
             os.unlink(self.options.checkpoint)
             log.info("training finished; removed the preemption checkpoint %s",
                      self.options.checkpoint)
+        if self.world.rank == 0:
+            agent.record_exit_code(self.exit_code)
         world_mod.shutdown()
         if exit and self.exit_code:
             sys.exit(self.exit_code)

@@ -103,6 +103,34 @@ class MetricsSink:
         obj["unix_time"] = round(time.time(), 3)  # to line up with scheduler events
         self._file.write(json.dumps(_clean(obj), sort_keys=True) + "\n")
 
+    @classmethod
+    def take_over(cls, path: Optional[str]) -> "MetricsSink":
+        """The sink of a new coordinator, appending to the file the dead one wrote: a last
+        line it left half written is cut off, and ``time_s`` goes on from the file's
+        first record (so the run's time axis stays one)."""
+        sink = cls(None)
+        if not path:
+            return sink
+        first = None
+        try:
+            with open(path, "rb+") as f:
+                data = f.read()
+                keep = data.rfind(b"\n") + 1
+                if keep < len(data):
+                    f.truncate(keep)
+                head = data.split(b"\n", 1)[0]
+            first = json.loads(head) if head else None
+        except FileNotFoundError:
+            pass
+        except ValueError:
+            first = None
+        if isinstance(first, dict) and isinstance(first.get("unix_time"), (int, float)) \
+                and isinstance(first.get("time_s"), (int, float)):
+            started = first["unix_time"] - first["time_s"]
+            sink._t0 = time.perf_counter() - (time.time() - started)
+        sink._file = open(path, "a", encoding="utf-8", buffering=1)
+        return sink
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -24,7 +24,7 @@ import torch
 from . import runtime as _runtime  # noqa: F401 (first: it sets MPI's environment)
 from mpi4py import MPI  # noqa: E402
 
-from . import config
+from . import config, nodecast
 from .collectives import Handle, ReduceOp, check_same_layout
 from .dataplane import DataPlane
 from .errors import CommunicationError, ConfigurationError
@@ -388,18 +388,41 @@ def _bcast(comm: MPI.Intracomm, buf: np.ndarray, root: int, watch) -> None:
 
 def _pack_broadcast(tensors: Sequence[torch.Tensor], root: int, comm: MPI.Intracomm,
                     bucket_bytes: int, watch=None) -> None:
+    """Root's ``tensors`` to every rank. State travels only at joins and recoveries, and
+    device tensors go through the host. Between processes of one node straight from and
+    into the tensors' memory through a memory file (``hpcadapt.nodecast``: no packing);
+    otherwise packed into fused buffers over MPI."""
+    if _node_broadcast(tensors, root, comm, watch):
+        return
     for group in plan_buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in group]
         bucket = Bucket.for_tensors(members)
         if comm.Get_rank() == root:
             bucket.pack(members)
-        # State travels over MPI (joins and recoveries only): device tensors through the host.
         host = bucket.flat if bucket.flat.is_cpu else bucket.flat.cpu()
-        _bcast(comm, host.numpy(), root, watch)
+        _bcast(comm, host.view(torch.uint8).numpy(), root, watch)  # bytes: any dtype
         with torch.no_grad():
             if host is not bucket.flat:
                 bucket.flat.copy_(host)
             bucket.unpack(members)
+
+
+def _node_broadcast(tensors: Sequence[torch.Tensor], root: int, comm: MPI.Intracomm,
+                    watch) -> bool:
+    """``tensors`` through ``nodecast`` as raw bytes; False (on every rank) where it does
+    not apply. A tensor that is not contiguous in host memory goes through a host copy."""
+    if not nodecast.available() or sum(t.nbytes for t in tensors) < nodecast.MIN_BYTES:
+        return False
+    hosts = [t if t.is_cpu and t.is_contiguous() else t.detach().cpu().contiguous()
+             for t in tensors]
+    views = [h.detach().reshape(-1).view(torch.uint8).numpy() for h in hosts if h.numel()]
+    if not nodecast.broadcast_buffers(comm, views, root, watch):
+        return False
+    with torch.no_grad():
+        for t, h in zip(tensors, hosts):
+            if h is not t:
+                t.copy_(h)
+    return True
 
 
 def broadcast_parameters(tensors: Sequence[torch.Tensor], *, root: int = 0,

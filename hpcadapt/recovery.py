@@ -92,9 +92,12 @@ def _exchange(world: World, mask: np.ndarray, tag: int, t_end: float) -> dict:
     return received
 
 
-def unrecoverable(world: World, agreement: Agreement) -> Optional[str]:
+def unrecoverable(world: World, agreement: Agreement, *,
+                  coordinator_may_move: bool) -> Optional[str]:
     """Why the survivors cannot go on without the dead (None when they can): a dead rank's
-    launch still holds survivors (its launcher ends them too), or no rank is left."""
+    launch still holds survivors (its launcher ends them too), no rank is left, or rank 0
+    died where its role cannot move (no ``hpcadapt.agent`` keeps the job: its launch was
+    what the user or the job step waited on)."""
     if not agreement.survivors:
         return "no rank survived"
     for d in agreement.dead:
@@ -102,8 +105,9 @@ def unrecoverable(world: World, agreement: Agreement) -> Optional[str]:
         if shared:
             return (f"rank {d} was started by the same launch (mpiexec/srun) as rank(s) "
                     f"{shared}, which its launcher ends with it")
-    if 0 in agreement.dead:
-        return "rank 0 (the coordinator, with the metrics file and the allocator) died"
+    if 0 in agreement.dead and not coordinator_may_move:
+        return ("rank 0 (the coordinator) died and no agent keeps the job: start it under "
+                "`python -m hpcadapt.agent` with --initial-workers for its role to move")
     return None
 
 

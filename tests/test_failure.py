@@ -33,7 +33,7 @@ COMMON = ["-m", "hpcadapt.train", "--epochs", "100000", "--no-progress", "--batc
 class Run:
     """One training job under mpiexec, started in the background; its stderr goes to a file."""
 
-    def __init__(self, tmp_path, n, extra, name="run"):
+    def __init__(self, tmp_path, n, extra, name="run", agent=False):
         self.metrics = tmp_path / f"{name}.jsonl"
         self.stop_file = tmp_path / f"{name}.stop"
         self.checkpoint = tmp_path / f"{name}.ckpt"
@@ -43,7 +43,9 @@ class Run:
                               str(self.stop_file), "--checkpoint", str(self.checkpoint),
                               "--sample-log", str(self.samples)] + extra
         self._err = open(self.err_path, "w")
-        self.proc = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable] + self.args,
+        under = [sys.executable, "-m", "hpcadapt.agent"] if agent else []
+        self.proc = subprocess.Popen(under + [mpiexec(), "-n", str(n), sys.executable] +
+                                     self.args,
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=self._err,
                                      text=True, start_new_session=True)
         self.known_pids = set()
@@ -197,6 +199,48 @@ def test_initial_workers_started_alone_are_each_recovered_from(tmp_path):
     assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
     every_sample_once(run.samples)
     run.assert_no_process_left()
+
+
+def test_rank_0_killed_under_the_agent_is_recovered_and_its_role_moves(tmp_path):
+    """`python -m hpcadapt.agent mpiexec -n 1 ... --initial-workers 3`: rank 0 (the
+    coordinator, alone in the launch the agent waits on) is SIGKILLed; rank 1 becomes the
+    coordinator: it records the failure in the same metrics file, trains on, obeys the stop
+    file, prints the summary, and the agent exits with its code (0)."""
+    run = Run(tmp_path, 1, ["--max-workers", "3", "--initial-workers", "3",
+                            "--check-replicas"], agent=True)
+    first = run.wait_for("a first step", lambda: run.steps()[:1])[0]
+    assert first["world_size"] == 3, first
+    grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]][-1]
+    step_before = run.steps()[-1]["step"]
+    os.kill(grown["pids"][0], signal.SIGKILL)
+    t_kill = time.time()
+    failure = run.wait_for("the failure record", lambda: [
+        r for r in run.rows() if r.get("event") == "failure"])[0]
+    assert failure["recovered"] and failure["dead"] == [0], failure
+    assert failure["dead_pids"] == [grown["pids"][0]] and failure["world_size"] == 2
+    assert failure["step"] >= step_before and failure["detected_unix"] - t_kill < 5.0
+    run.wait_for("steps on 2 workers", lambda: [
+        s for s in run.steps() if s["world_size"] == 2 and s["step"] > failure["step"] + 3])
+    _replicas_identical_after_each_recovery(run)
+    assert "is the coordinator now" in run.stderr()
+    run.stop_file.write_text("stop")
+    assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
+    summaries = [json.loads(line) for line in run.stdout.splitlines()
+                 if line.startswith("{") and "final_test_accuracy" in line]
+    assert len(summaries) == 1 and summaries[0]["steps"] > failure["step"], run.stdout
+    every_sample_once(run.samples)
+    run.assert_no_process_left()
+
+
+def test_rank_0_killed_without_the_agent_ends_every_worker(tmp_path):
+    run = Run(tmp_path, 1, ["--max-workers", "3", "--initial-workers", "3"])
+    run.wait_for("a first step", lambda: run.steps()[:1])
+    grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]][-1]
+    os.kill(grown["pids"][0], signal.SIGKILL)
+    assert run.finish(timeout=120) != 0
+    # The survivors (launches of their own) notice, cannot go on without rank 0 (its launch,
+    # which the user waited on, has ended) and end by themselves: nobody is left training.
+    run.assert_no_process_left(timeout=60)
 
 
 def _regrown(rows, failures):

@@ -1,0 +1,146 @@
+"""``python -m hpcadapt.agent [--] COMMAND ...``: keeps a job alive when its rank 0 dies.
+
+Why: the user's foreground command is rank 0's launch (``mpiexec -n 1 ... --initial-workers
+N``); the other workers are launches that rank 0 started. When rank 0 dies, the survivors
+recover and one of them becomes the coordinator, but the launch the user (or Slurm's job
+step) waits on has ended. The agent is what they wait on instead, as torchrun's agent is:
+
+* it runs COMMAND (an argument list, never a shell) and makes itself the child subreaper
+  (``PR_SET_CHILD_SUBREAPER``), so the workers' launchers, orphaned when rank 0 dies, become
+  its children; it returns only when every one of them has ended;
+* it hands the job a private folder (``HPCADAPT_AGENT_DIR``): the coordinator of the moment
+  writes its pid there (stop signals sent to the agent go to it) and, at the end, the job's
+  exit code, which becomes the agent's own. Without that file (every worker died), the
+  agent exits with its first launch's code, or 1 if that was 0.
+
+Workers run under an agent recover from rank 0's death (``hpcadapt.recovery``); without
+one, rank 0's death ends the job as it always has."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import List, Optional
+
+from . import config
+
+__all__ = ["main", "record_coordinator", "record_exit_code", "agent_pid"]
+
+_PR_SET_CHILD_SUBREAPER = 36
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+COORDINATOR_FILE = "coordinator"
+EXIT_FILE = "exit-code"
+AGENT_FILE = "agent"
+
+
+def record_coordinator() -> None:
+    """The new coordinator (rank 0) writes its pid for the agent, if there is one."""
+    _write(COORDINATOR_FILE, str(os.getpid()))
+
+
+def agent_pid() -> Optional[int]:
+    """The agent's pid, when this process runs under one."""
+    folder = config.agent_dir()
+    return _read_int(folder, AGENT_FILE) if folder is not None else None
+
+
+def record_exit_code(code: int) -> None:
+    """The coordinator's exit code, which the agent returns."""
+    _write(EXIT_FILE, str(int(code)))
+
+
+def _write(name: str, text: str) -> None:
+    folder = config.agent_dir()
+    if folder is None:
+        return
+    # A private folder of the agent's: a temporary file created exclusively there, renamed.
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=folder)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(folder, name))
+
+
+def _read_int(folder: str, name: str) -> Optional[int]:
+    try:
+        with open(os.path.join(folder, name), encoding="ascii") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _become_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def _exit_status(status: int) -> int:
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def run(command: List[str]) -> int:
+    """Run ``command`` and wait for it and everything orphaned below it; the job's code."""
+    _become_subreaper()
+    folder = tempfile.mkdtemp(prefix="hpcadapt-agent-")  # mode 0700
+    with open(os.path.join(folder, AGENT_FILE), "x", encoding="ascii") as f:
+        f.write(str(os.getpid()))
+    env = {**os.environ, config.AGENT_DIR_VARIABLE: folder}
+    first = subprocess.Popen(command, env=env)
+
+    def forward(signum, _frame) -> None:
+        target = _read_int(folder, COORDINATOR_FILE) or first.pid
+        for pid in {target, first.pid}:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    for s in FORWARDED:
+        signal.signal(s, forward)
+    first_code: Optional[int] = None
+    try:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries
+                continue
+            if pid == first.pid:
+                first_code = _exit_status(status)
+                first.returncode = first_code
+        code = _read_int(folder, EXIT_FILE)
+        if code is None:
+            code = first_code if first_code else 1
+        return code
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: python -m hpcadapt.agent [--] COMMAND [ARG ...]\n"
+              "Runs COMMAND (e.g. mpiexec -n 1 python train.py --initial-workers 4 ...) and "
+              "waits for every worker it starts, so that the job outlives the death of its "
+              "rank 0; exits with the job's exit code.", file=sys.stderr if not args else
+              sys.stdout)
+        return 2 if not args else 0
+    if shutil.which(args[0]) is None and not os.path.exists(args[0]):
+        print(f"hpcadapt.agent: {args[0]!r} is not a program on PATH; give the command to "
+              f"run, e.g. mpiexec -n 1 python train.py --initial-workers 4", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The node-local state broadcast's receiving side alone (no MPI): it reads the root's
+memory file, and declines (so that every rank falls back to MPI) where it cannot."""
+
+import os
+
+import numpy as np
+
+from hpcadapt import nodecast
+
+
+def test_a_receiver_that_cannot_read_declines():
+    src = np.arange(4096, dtype=np.int64)
+    fd = nodecast._write_memfd([src], src.nbytes)
+    try:
+        out = np.zeros_like(src)
+        header = np.array([nodecast.node_key(), os.getpid(), fd, src.nbytes])
+        assert nodecast._read_from(header, [out], src.nbytes) == 1 and (out == src).all()
+        other_node = header.copy()
+        other_node[0] += 1
+        assert nodecast._read_from(other_node, [np.zeros_like(src)], src.nbytes) == 0
+        gone = header.copy()
+        gone[2] = 9999  # no such descriptor
+        assert nodecast._read_from(gone, [np.zeros_like(src)], src.nbytes) == 0
+        assert nodecast._read_from(header, [np.zeros(10, np.int64)], 80) == 0  # wrong size
+    finally:
+        os.close(fd)
