@@ -10,8 +10,8 @@ step) waits on has ended. The agent is what they wait on instead, as torchrun's 
   its children; it returns only when every one of them has ended;
 * it hands the job a private folder (``HPCADAPT_AGENT_DIR``): the coordinator of the moment
   writes its pid there (stop signals sent to the agent go to it) and, at the end, the job's
-  exit code, which becomes the agent's own. Without that file (every worker died), the
-  agent exits with its first launch's code, or 1 if that was 0.
+  exit code, which becomes the agent's own. Without that file (no coordinator got to the
+  end: every worker died) the agent exits with its first launch's code.
 
 Workers run under an agent recover from rank 0's death (``hpcadapt.recovery``); without
 one, rank 0's death ends the job as it always has."""
@@ -117,9 +117,7 @@ def run(command: List[str]) -> int:
                 first_code = _exit_status(status)
                 first.returncode = first_code
         code = _read_int(folder, EXIT_FILE)
-        if code is None:
-            code = first_code if first_code else 1
-        return code
+        return code if code is not None else (first_code or 0)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -1041,7 +1041,7 @@ class Job:
             self._fail(again)
         t_agreed = time.perf_counter()
         why = recovery.unrecoverable(self.world, agreement,
-                                     coordinator_may_move=config.agent_dir() is not None)
+                                     coordinator_may_move=self._coordinator_may_move())
         if why is not None:
             self._fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
                                              rank=agreement.dead[0] if agreement.dead else -1,
@@ -1105,6 +1105,14 @@ class Job:
         if self.options.replace_failed and self.elastic is not None:
             self.request_resize(self.world.size + len(agreement.dead),
                                 f"replacing failed rank(s) {list(agreement.dead)}")
+
+    def _coordinator_may_move(self) -> bool:
+        """Rank 0's role can move where an agent waits for every worker: under
+        ``hpcadapt.agent`` with the local allocator (a companion Slurm job's workers are
+        not the agent's descendants, and the job step ends with rank 0's launch)."""
+        from .allocator import LocalAllocator
+
+        return config.agent_dir() is not None and isinstance(self.allocator, LocalAllocator)
 
     def _take_coordinator_role(self) -> None:
         """The lowest survivor after rank 0 died: it writes the metrics file from here on,

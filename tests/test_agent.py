@@ -1,0 +1,102 @@
+"""``python -m hpcadapt.agent``: waits for orphaned descendants, returns the job's exit code,
+forwards stop signals to the coordinator of the moment, refuses bad commands in one line; and
+the metrics file taken over by a new coordinator. Every wait is for a file the child writes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from conftest import ROOT
+
+from hpcadapt.metrics import MetricsSink
+
+
+def _agent(*command, **kw):
+    return subprocess.Popen([sys.executable, "-m", "hpcadapt.agent", *command], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _wait_file(path, proc, timeout=60):
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < timeout, f"no {path}"
+        time.sleep(0.01)
+
+
+def test_exit_code_is_the_first_launchs_without_a_recorded_one():
+    proc = _agent(sys.executable, "-c", "import sys; sys.exit(3)")
+    assert proc.wait(timeout=60) == 3
+
+
+def test_exit_code_is_the_one_the_coordinator_recorded():
+    code = "from hpcadapt import agent; agent.record_exit_code(7)"
+    proc = _agent(sys.executable, "-c", code)
+    assert proc.wait(timeout=60) == 7
+
+
+def test_it_waits_for_an_orphaned_grandchild(tmp_path):
+    started, go, done = tmp_path / "started", tmp_path / "go", tmp_path / "done"
+    grandchild = textwrap.dedent(f"""
+        import os, time
+        open({str(started)!r}, "w").close()
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.01)
+        open({str(done)!r}, "w").close()
+    """)
+    child = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+             f"{grandchild!r}], start_new_session=True)")
+    proc = _agent(sys.executable, "-c", child)
+    _wait_file(started, proc)
+    time.sleep(0.2)  # not a race: the agent must still be waiting whatever the delay
+    assert proc.poll() is None, "the agent returned before its orphaned grandchild ended"
+    go.write_text("go")
+    assert proc.wait(timeout=60) == 0 and done.exists()
+
+
+def test_stop_signals_go_to_the_recorded_coordinator(tmp_path):
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    code = textwrap.dedent(f"""
+        import os, signal, time
+        from hpcadapt import agent
+        agent.record_coordinator()
+        seen = []
+        signal.signal(signal.SIGUSR1, lambda *a: seen.append(1))
+        open({str(ready)!r}, "w").close()
+        while not seen:
+            time.sleep(0.01)
+        open({str(got)!r}, "w").close()
+        agent.record_exit_code(75)
+    """)
+    proc = _agent(sys.executable, "-c", code)
+    _wait_file(ready, proc)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=60) == 75 and got.exists()
+
+
+def test_bad_commands_are_refused_in_one_line():
+    proc = _agent()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and err.startswith("usage:") and "Traceback" not in err
+    proc = _agent("no-such-program-here")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "no-such-program-here" in err, err
+
+
+def test_a_new_coordinator_takes_over_the_metrics_file(tmp_path):
+    path = tmp_path / "m.jsonl"
+    first = {"event": "step", "step": 1, "time_s": 2.0, "unix_time": time.time() - 10.0}
+    path.write_text(json.dumps(first) + "\n" + json.dumps({"event": "step", "step": 2}) +
+                    "\n" + '{"event": "st')  # the dead coordinator's half-written line
+    sink = MetricsSink.take_over(str(path))
+    sink.write({"event": "failure", "step": 2})
+    sink.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["event"] for r in rows] == ["step", "step", "failure"]
+    # the time axis goes on from the first record's start: about 12 s in, not 0
+    assert 11.0 < rows[-1]["time_s"] < 60.0, rows[-1]
