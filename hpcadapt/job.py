@@ -218,6 +218,7 @@ class Job:
             else JobOptions(**options)
         o = self.options
         self._join_dir = config.take_join_dir()
+        config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self.joining = self._join_dir is not None
         self.stop_signals: Optional[StopSignals] = None
         if o.checkpoint:

@@ -24,3 +24,16 @@ def test_a_receiver_that_cannot_read_declines():
         assert nodecast._read_from(header, [np.zeros(10, np.int64)], 80) == 0  # wrong size
     finally:
         os.close(fd)
+
+
+def test_the_transport_setting_is_checked(monkeypatch):
+    import pytest
+
+    from hpcadapt import config
+    from hpcadapt.errors import ConfigurationError
+
+    monkeypatch.setenv("HPCADAPT_STATE_TRANSPORT", "MPI")
+    assert config.state_transport() == "mpi" and not nodecast.available()
+    monkeypatch.setenv("HPCADAPT_STATE_TRANSPORT", "shm")
+    with pytest.raises(ConfigurationError, match="'shm' is not one of auto, mpi"):
+        config.state_transport()
