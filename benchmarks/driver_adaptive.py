@@ -4,8 +4,10 @@ epoch budget for every run).
 Runs: a small fixed batch; a large fixed batch; a grid of fixed schedules an expert would try
 (linear learning-rate scaling at two batches, a step decay, a batch ramp), the best fixed run
 chosen by time to target among all fixed runs; gns-batch and goodput from the small run's
-start, with the linear rule the grid uses and a 50-step ramp (warm-up and momentum
-compensation). Target: 99% of the small run's final test accuracy.
+start, with the linear rule the grid uses, a 50-step ramp (warm-up and momentum
+compensation) and the grid's step decay (x0.1 at 3/4 of the epochs, ``--schedule-lr-scale``,
+which multiplies whatever rate the rule has set). Target: 99% of the small run's final test
+accuracy.
 
 Each run is repeated ``--repeats`` times, round by round in rotating order so that the
 machine's load drifts over all alike; a run's time to target and final accuracy are medians
@@ -43,13 +45,19 @@ def points(pairs) -> str:
     return ",".join(f"{at}:{merged[at]}" for at in sorted(merged))
 
 
-def adaptive(policy: str, own: List[str]) -> List[str]:
-    """An adaptive run from batch 32 (32 to 512, every 10 steps after 50, 100 apart), the
-    policy's ``own`` flags, the monitors' EMA and the linear rule with its ramp."""
+def adaptive(policy: str, own: List[str], decay_epoch: int, *, interval: int = 10,
+             warmup: int = 50, cooldown: int = 100) -> List[str]:
+    """An adaptive run from batch 32 (32 to 512, deciding every ``interval`` steps after
+    ``warmup``, ``cooldown`` apart), the policy's ``own`` flags, the monitors' EMA, the
+    linear rule with its ramp, and the fixed grid's decay (x0.1 at ``decay_epoch``) applied
+    to whatever rate the rule has set."""
     p = f"--{policy}-"
     return fixed(SMALL_BATCH, SMALL_LR) + [
-        "--policy", policy, p + "min", str(SMALL_BATCH), p + "max", "512", p + "interval", "10",
-        p + "warmup", "50", p + "cooldown", "100"] + own + [
+        "--policy", policy, p + "min", str(SMALL_BATCH), p + "max", "512",
+        p + "interval", str(interval), p + "warmup", str(warmup),
+        p + "cooldown", str(cooldown)] + own + [
+        "--policy", "schedule", "--schedule-unit", "epoch",
+        "--schedule-lr-scale", f"{decay_epoch}:0.1",
         "--monitor-ema", "0.02", "--lr-rule", "linear", "--lr-ramp-steps", str(ADAPTIVE_RAMP)]
 
 
@@ -77,14 +85,19 @@ def runs(epochs: int) -> Dict[str, Dict]:
                      "--schedule-batch", points([(0, SMALL_BATCH), (quarter, 128), (half, 512)]),
                      "--lr-rule", "linear", "--lr-ramp-steps", "8"],
                  "what": f"batch 32, 128 at epoch {quarter}, 512 at epoch {half} (linear rule)"},
+        # gns-batch decides on the noise scale alone, so it may look every 5 steps from step
+        # 20 (the bias-corrected estimate is usable by then); goodput needs 3 timed steps of a
+        # configuration before it can fit the model, and jumped 32 -> 512 -> 256 when it
+        # decided at step 20 on one measured batch, so it keeps 10/50/100.
         "gns-batch": {"kind": "adaptive",
-                      "flags": adaptive("gns-batch", ["--gns-batch-factor", "2"]),
+                      "flags": adaptive("gns-batch", ["--gns-batch-factor", "2"], late,
+                                        interval=5, warmup=20, cooldown=30),
                       "what": f"gns-batch from batch 32 (x2 up to 512, linear rule, "
-                              f"ramp {ADAPTIVE_RAMP})"},
+                              f"ramp {ADAPTIVE_RAMP}, x0.1 at epoch {late})"},
         "goodput": {"kind": "adaptive",
-                    "flags": adaptive("goodput", ["--goodput-threshold", "0.1"]),
+                    "flags": adaptive("goodput", ["--goodput-threshold", "0.1"], late),
                     "what": f"goodput from batch 32 (32 to 512, linear rule, "
-                            f"ramp {ADAPTIVE_RAMP})"},
+                            f"ramp {ADAPTIVE_RAMP}, x0.1 at epoch {late})"},
     }
 
 

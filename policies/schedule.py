@@ -16,6 +16,7 @@ from hpcadapt.errors import ConfigurationError
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import choice, positive_float, positive_int, step_map
+from .rate import RateTracker
 
 __all__ = ["Schedule"]
 
@@ -50,8 +51,7 @@ class Schedule(Policy):
         self.lr_scale = list(lr_scale)
         self.applied = -1   # the last schedule point already applied
         self.scaled = -1    # the last lr-scale point already applied
-        self.heading: Optional[float] = None   # the rate the last applied decision set
-        self.batch_now: Optional[int] = None   # the batch as of the last applied decision
+        self.rate = RateTracker()
 
     def _now(self, snap: MetricsSnapshot) -> int:
         return snap.step if self.unit == "step" else snap.epoch
@@ -69,20 +69,16 @@ class Schedule(Policy):
                 changes["lr"] = value
                 points.append(at)
         self.applied = max(self.applied, now)
-        # A policy before this one changed the batch in this call: the rule's rate for it is
-        # not known yet, so the scale waits for the next call (the next step).
-        other_batch = self.batch_now is not None and snap.batch_size != self.batch_now
-        if other_batch:   # should that change be discarded, one more wait, no more
-            self.batch_now = snap.batch_size
         factor = 1.0
-        if "batch_size" not in changes and not other_batch:
-            for at, value in self.lr_scale:
-                if self.scaled < at <= now:
-                    factor *= value
-                    points.append(at)
-            self.scaled = max(self.scaled, now)
+        due = [(at, value) for at, value in self.lr_scale if self.scaled < at <= now]
+        if due and "batch_size" not in changes and not self.rate.batch_pending(snap):
+            for at, value in due:
+                factor *= value
+                points.append(at)
+            self.scaled = now
         if factor != 1.0:
-            changes["lr"] = changes.get("lr", self.heading or snap.lr) * factor
+            changes["lr"] = changes["lr"] * factor if "lr" in changes \
+                else self.rate.scaled(snap, factor)
         if not changes:
             return None
         what = ", ".join(f"{k}={v:g}" for k, v in changes.items())
@@ -92,7 +88,7 @@ class Schedule(Policy):
                         policy=self.name, metrics={self.unit: float(now)}, **changes)
 
     def before_train(self, snap: MetricsSnapshot) -> Optional[Decision]:
-        self.batch_now = snap.batch_size
+        self.rate.start(snap)
         return self._due(snap)
 
     def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
@@ -107,18 +103,12 @@ class Schedule(Policy):
 
     def on_decision(self, decision: Decision, snap: MetricsSnapshot) -> None:
         """Follow the rate and batch every applied decision (any policy's, the rule's) set."""
-        if decision.lr is not None:
-            self.heading = decision.lr
-        if decision.batch_size is not None:
-            self.batch_now = decision.batch_size
+        self.rate.told(decision)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"applied": self.applied, "scaled": self.scaled, "heading": self.heading,
-                "batch_now": self.batch_now}
+        return {"applied": self.applied, "scaled": self.scaled, **self.rate.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.applied = int(state["applied"])
         self.scaled = int(state.get("scaled", self.applied))
-        heading, batch = state.get("heading"), state.get("batch_now")
-        self.heading = None if heading is None else float(heading)
-        self.batch_now = None if batch is None else int(batch)
+        self.rate.load_state_dict(state)

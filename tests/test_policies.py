@@ -63,9 +63,88 @@ def test_schedule_by_epoch():
 
 
 def test_schedule_needs_something():
-    with pytest.raises(ConfigurationError, match="--schedule-batch"):
+    with pytest.raises(ConfigurationError, match="--schedule-batch, --schedule-lr and/or"):
         Schedule()
 
+
+
+def test_schedule_lr_scale_multiplies_the_rate_the_run_is_heading_for():
+    """A decay composes with the lr rule: it scales the end of a running ramp (the last
+    applied decision's rate), not the mid-ramp rate of the step it happens at."""
+    p = Schedule(unit="epoch", lr_scale=[(7, 0.1)])
+    assert p.before_train(snap(step=0, epoch=0, batch_size=32, lr=0.02)) is None
+    rule = Decision(reason="rule", lr=0.16, policy="lr-rule:linear")
+    p.on_decision(Decision(reason="grow", batch_size=256, policy="gns-batch"), snap(step=50))
+    p.on_decision(rule, snap(step=50))
+    assert p.before_epoch(snap(epoch=6, batch_size=256, lr=0.09)) is None
+    d = p.before_epoch(snap(epoch=7, batch_size=256, lr=0.09))   # mid-ramp rate 0.09
+    assert d.lr == pytest.approx(0.016) and d.batch_size is None and "x0.1" in d.reason
+    assert p.before_epoch(snap(epoch=8, batch_size=256)) is None   # once
+
+
+def test_schedule_lr_scale_without_decisions_scales_the_current_rate():
+    p = Schedule(unit="step", lr_scale=[(10, 0.5), (20, 0.5)])
+    p.before_train(snap(step=0, lr=0.2))
+    assert p.after_step(snap(step=9, lr=0.2)) is None
+    d = p.after_step(snap(step=10, lr=0.2))
+    assert d.lr == pytest.approx(0.1)
+    p.on_decision(d, snap(step=10))
+    assert p.after_step(snap(step=20, lr=0.1)).lr == pytest.approx(0.05)
+
+
+def test_schedule_lr_scale_waits_for_another_policys_batch_change():
+    """The rule's rate for a batch another policy changes in the same call is not known yet:
+    the scale waits for the next call, then scales what the rule set."""
+    p = Schedule(unit="step", lr_scale=[(10, 0.1)])
+    p.before_train(snap(step=0, batch_size=32, lr=0.02))
+    assert p.after_step(snap(step=10, batch_size=64, lr=0.02)) is None   # a grow is pending
+    p.on_decision(Decision(reason="grow", batch_size=64, policy="gns-batch"), snap(step=10))
+    p.on_decision(Decision(reason="rule", lr=0.04, policy="lr-rule:linear"), snap(step=10))
+    assert p.after_step(snap(step=11, batch_size=64, lr=0.0204)).lr == pytest.approx(0.004)
+
+
+def test_schedule_lr_scale_in_epochs_waits_to_the_next_step_not_the_next_epoch():
+    p = Schedule(unit="epoch", lr_scale=[(2, 0.1)])
+    p.before_train(snap(step=0, epoch=0, batch_size=32, lr=0.02))
+    assert p.before_epoch(snap(epoch=2, batch_size=128, lr=0.02)) is None   # a change pending
+    p.on_decision(Decision(reason="grow", batch_size=128, policy="goodput"), snap())
+    p.on_decision(Decision(reason="rule", lr=0.08, policy="lr-rule:linear"), snap())
+    assert p.after_step(snap(epoch=2, batch_size=128, lr=0.03)).lr == pytest.approx(0.008)
+    assert p.after_step(snap(epoch=2, batch_size=128, lr=0.008)) is None
+
+
+def test_schedule_lr_scale_with_an_explicit_rate_at_the_same_point_scales_it():
+    p = Schedule(unit="step", lr=[(5, 0.3)], lr_scale=[(5, 0.5)])
+    assert p.after_step(snap(step=5)).lr == pytest.approx(0.15)
+
+
+def test_schedule_lr_scale_state_survives_a_restore():
+    p = Schedule(unit="epoch", lr_scale=[(1, 0.1), (3, 0.1)])
+    p.before_train(snap(step=0, epoch=0, batch_size=32, lr=0.02))
+    d = p.before_epoch(snap(epoch=1, batch_size=32, lr=0.02))
+    p.on_decision(d, snap())
+    q = Schedule(unit="epoch", lr_scale=[(1, 0.1), (3, 0.1)])
+    q.load_state_dict(p.state_dict())
+    assert q.before_epoch(snap(epoch=2, batch_size=32, lr=0.002)) is None
+    assert q.before_epoch(snap(epoch=3, batch_size=32, lr=0.002)).lr == pytest.approx(0.0002)
+
+
+def test_schedule_lr_scale_on_a_batch_point_is_refused():
+    with pytest.raises(ConfigurationError, match="--schedule-lr-scale and --schedule-batch"):
+        Schedule(batch=[(5, 64)], lr_scale=[(5, 0.1)])
+
+
+def test_schedule_lr_scale_through_the_engine_rescales_the_base():
+    """The decayed rate becomes the base at the current batch, so a later batch change
+    under the linear rule scales the decayed rate."""
+    eng = PolicyEngine([Schedule(unit="step", lr_scale=[(10, 0.1)])], LRRule("linear", 0))
+    s = snap(step=10, batch_size=256, lr=0.16, base_lr=0.02, base_batch_size=32)
+    eng.decide("before_train", snap(step=0, batch_size=256, lr=0.16))
+    plan = eng.plan(eng.decide("after_step", s), s, 0)
+    assert plan.lr == pytest.approx(0.016)
+    assert (plan.base_lr, plan.base_batch_size) == (pytest.approx(0.016), 256)
+    after = snap(step=20, batch_size=256, lr=0.016, base_lr=0.016, base_batch_size=256)
+    assert LRRule("linear").target(after, 512) == pytest.approx(0.032)
 
 # -- learning-rate rules -------------------------------------------------------------------
 @pytest.mark.parametrize("rule,expect", [("linear", 0.4), ("sqrt", 0.2), ("none", None)])
@@ -181,6 +260,7 @@ def test_policy_flags_parse_in_order():
     (["--gns-batch-factor", "0.5"], "greater than 1.0"),
     (["--lr-rule", "cubic"], "none, linear, sqrt, adascale"),
     (["--schedule-batch", "10:32,5:64"], "points must increase"),
+    (["--schedule-lr-scale", "7:-0.1"], "--schedule-lr-scale"),
 ])
 def test_bad_policy_flags_name_the_flag_and_rule(capsys, args, words):
     assert words in parse_error(args, capsys)
@@ -201,7 +281,7 @@ def test_help_lists_every_policy_and_flag_with_defaults():
     text = build_parser().format_help()
     for flag in ("--policy", "--gns-batch-min", "--gns-batch-max", "--gns-batch-factor",
                  "--gns-batch-cooldown", "--gns-batch-interval", "--schedule-batch",
-                 "--schedule-lr", "--lr-rule", "--lr-ramp-steps"):
+                 "--schedule-lr", "--schedule-lr-scale", "--lr-rule", "--lr-ramp-steps"):
         assert flag in text
     assert "(default: 1024)" in text
 
