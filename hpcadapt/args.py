@@ -17,6 +17,7 @@ from .allocator import LAUNCHERS
 from .engine import RESIZE_BATCH
 from .monitor import MONITORS
 from .preemption import EXIT_REQUEUE, parse_signal
+from .strategy import STRATEGIES
 
 __all__ = ["add_arguments", "warn_unused_policy_flags", "ALLOCATORS", "RESIZE_BATCH",
            "positive_int", "positive_float"]
@@ -29,6 +30,18 @@ positive_int = argparse_type(params.positive_int)
 positive_float = argparse_type(params.positive_float)
 _fraction_open = argparse_type(params.fraction_open)
 _non_negative_int = argparse_type(params.non_negative_int)
+
+
+def _factor(text: str) -> float:
+    """A slow-down factor: 1 (none) or more."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v == v and v >= 1.0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be 1 or more (2 makes the rank take twice as "
+                                         f"long), got {text}")
+    return v
 
 
 def _signal_list(text: str) -> List[str]:
@@ -62,6 +75,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="compute gradient statistics every N steps")
     m.add_argument("--monitor-ema", type=_fraction_open, default=0.1,
                    help="weight of the newest estimate in the moving averages")
+    y = parser.add_argument_group("synchronisation strategy (switchable by the sync-switch "
+                                  "policy)")
+    y.add_argument("--strategy", choices=list(STRATEGIES), default="ssgd",
+                   help="ssgd: average gradients every step (replicas identical); sma: pull "
+                        "each replica towards the models' average every step, then apply its "
+                        "own gradient (KungFu's SMA); local-sgd: average the models every "
+                        "--local-sgd-period steps")
+    y.add_argument("--sma-alpha", type=_fraction_open, default=0.1,
+                   help="sma: share of the average pulled in each step, in (0, 1]")
+    y.add_argument("--local-sgd-period", type=positive_int, default=8,
+                   help="local-sgd: steps between model averages (1 or more)")
+    t = parser.add_argument_group("slow ranks on purpose (tests and benchmarks)")
+    t.add_argument("--slow-rank", type=_non_negative_int, default=None, metavar="RANK",
+                   help="the rank that --slow-compute and --slow-comm slow down")
+    t.add_argument("--slow-compute", type=_factor, default=1.0, metavar="FACTOR",
+                   help="that rank's forward and backward take FACTOR times as long")
+    t.add_argument("--slow-comm", type=_factor, default=1.0, metavar="FACTOR",
+                   help="that rank's gradient or model exchange takes FACTOR times as long")
     s = parser.add_argument_group("steps and memory")
     s.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many steps in total")

@@ -48,6 +48,7 @@ from .parallel import DistributedOptimizer, GradientStats
 from .plan import Plan
 from .preemption import EXIT_REQUEUE, StopSignals, parse_signal, unblock_stop_signals
 from .state import HyperParams, TrainingState, UserState
+from .strategy import Strategy
 
 __all__ = ["Job", "JobOptions", "StepTimes"]
 
@@ -66,6 +67,12 @@ class JobOptions:
     monitors: List[str] = field(default_factory=list)
     monitor_interval: int = 1
     monitor_ema: float = 0.1
+    strategy: str = "ssgd"
+    sma_alpha: float = 0.1
+    local_sgd_period: int = 8
+    slow_rank: Optional[int] = None
+    slow_compute: float = 1.0
+    slow_comm: float = 1.0
     max_steps: Optional[int] = None
     max_nonfinite_steps: int = 5
     max_local_batch: Optional[int] = None
@@ -219,6 +226,11 @@ class Job:
         o = self.options
         self._join_dir = config.take_join_dir()
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
+        self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period)
+        for flag, factor in (("--slow-compute", o.slow_compute), ("--slow-comm", o.slow_comm)):
+            if not (math.isfinite(factor) and factor >= 1.0):
+                raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
+                                         f"(2 makes the rank take twice as long)")
         self.joining = self._join_dir is not None
         self.stop_signals: Optional[StopSignals] = None
         if o.checkpoint:
@@ -394,6 +406,7 @@ class Job:
                                          o.monitor_ema)
         self.state = TrainingState(model, optimizer, loader.sampler, hyper,
                                    GradientNoiseScale(o.monitor_ema), self.extra, self.engine)
+        self.state.strategy = self._initial_strategy
         loader._job = self
         if self.joining:
             self._join()
@@ -562,6 +575,9 @@ class Job:
         opt.set_local_weight(part.weight)
         opt.set_extra_slots(self._extra_slots())
         opt.zero_grad()
+        self._slow_down(o.slow_compute, self._prev_local[1])  # --slow-compute: before forward
+        opt.set_strategy(st.strategy)
+        opt.begin_step(st.step)
         self._loss_sum = 0.0
         self._step_open = True
         if self._sample_file is not None:
@@ -613,6 +629,7 @@ class Job:
         except world_mod.PeerFailure as exc:
             self._recover(exc)  # or ends the job
             return
+        self._slow_down(self.options.slow_comm, time.perf_counter() - t1)  # --slow-comm
         t2 = time.perf_counter()
         self._read_control(stats.extras, self._part.global_count)
         # The global loss arrived with the gradients: every rank sees the same value, so all
@@ -659,6 +676,14 @@ class Job:
         self.world.watch.note_step(self._step_time)
         self._last_count = self._part.global_count
         self._step_open = False
+
+    def _slow_down(self, factor: float, seconds: float) -> None:
+        """--slow-rank R with --slow-compute/--slow-comm F: rank R takes F times as long for
+        its compute (a sleep before forward, as long as (F - 1) x the last step's compute)
+        or its communication (after the step's exchange), so that strategies can be
+        compared against a straggler or a slow link on one machine (tests, benchmarks)."""
+        if factor > 1.0 and self.options.slow_rank == self.world.rank and seconds > 0:
+            time.sleep((factor - 1.0) * seconds)
 
     # -- control slots: loss, timings, stop votes ride in the last gradient bucket ----------
     def _slot_ranks(self) -> int:
@@ -823,9 +848,56 @@ class Job:
         self.state.hyper = new
         if plan.momentum is not None:
             self._apply_momentum(plan.momentum)
+        if plan.strategy is not None:
+            self._switch_strategy(Strategy.from_dict(plan.strategy), plan.reason or "policy")
         if plan.world_size is not None and plan.world_size != self.world.size:
             self.request_resize(plan.world_size, plan.reason or "policy",
                                 remove=[plan.remove_rank] if plan.remove_rank is not None else None)
+
+    def switch_strategy(self, strategy: Strategy, reason: str = "user request") -> None:
+        """Change the synchronisation strategy from the next step on; call on every rank at
+        the same point between steps (policies do it through a plan)."""
+        self._switch_strategy(strategy, reason)
+
+    def _switch_strategy(self, new: Strategy, reason: str) -> None:
+        """Every rank, at a step boundary. Into S-SGD from model averaging the replicas
+        become one again: the plain average of all models, then rank 0's parameters and
+        optimizer state broadcast (so they are bit-identical whatever the reduction order).
+        A peer dying in these collectives is recovered from like any step's: the plan is
+        then dropped and the old strategy kept (the cluster version went up)."""
+        from .parallel import broadcast_optimizer_state, broadcast_parameters
+
+        st = self.state
+        old = st.strategy
+        if new == old:
+            return
+        version = self.world.cluster_version
+        identical = None
+        t0 = time.perf_counter()
+        if new.averages_gradients and not old.averages_gradients and self.world.size > 1:
+            try:
+                self.optimizer.average_models()
+                broadcast_parameters(list(self.model.parameters()) + list(self.model.buffers()),
+                                     root=0, world=self.world)
+                broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
+            except world_mod.PeerFailure as exc:
+                self._recover(exc)
+                if self.world.rank == 0:
+                    log.error("strategy switch %s -> %s discarded (a peer died in it); "
+                              "training goes on with %s", old.name, new.name, old.describe())
+                return
+            identical = self.replicas_identical() if self.options.check_replicas else None
+        st.strategy = new
+        self.world.bump_version()
+        if self.world.rank == 0:
+            log.info("strategy %s -> %s at step %d (%s)", old.describe(), new.describe(),
+                     st.step, reason)
+        self.sink.write({"event": "strategy", "step": st.step, "epoch": st.epoch,
+                         "from": old.to_dict(), "to": new.to_dict(), "reason": reason,
+                         "previous_cluster_version": version,
+                         "cluster_version": self.world.cluster_version,
+                         "switch_s": time.perf_counter() - t0,
+                         "replicas_identical": identical})
 
     # -- elastic membership ------------------------------------------------------------------
     def request_resize(self, new_size: int, reason: str = "user request", *,
@@ -1218,7 +1290,8 @@ class Job:
         self.optimizer.set_extra_slots(self._extra_slots())
         self.optimizer._ensure_current()
         self._identical_after_resize = None
-        if self.options.check_replicas and outcome.ok:
+        # Under model averaging the replicas differ by design: nothing to compare.
+        if self.options.check_replicas and outcome.ok and self.state.strategy.averages_gradients:
             identical = self.replicas_identical()
             if not identical and self.world.rank == 0:
                 log.error("replicas differ after the resize to %d workers", self.world.size)
@@ -1364,7 +1437,8 @@ class Job:
             min_workers=self.options.min_workers, can_resize=self.elastic is not None,
             max_local_batch=self.options.max_local_batch,
             cluster_version=self.world.cluster_version,
-            resizing=bool(self.elastic is not None and self.elastic.growing))
+            resizing=bool(self.elastic is not None and self.elastic.growing),
+            strategy=st.strategy.name)
 
     # -- metrics -------------------------------------------------------------------------------
     def _log_step(self, count: int) -> None:
@@ -1427,6 +1501,10 @@ class Job:
         if self.world.rank == 0:
             log.info("resumed from %s at epoch %d, step %d", path, self.state.epoch,
                      self.state.step)
+            if self.state.strategy != self._initial_strategy:
+                log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
+                            "the run had switched; a policy may switch again)",
+                            self.state.strategy.describe(), self._initial_strategy.describe())
         return True
 
     def save_checkpoint(self, path: str) -> None:

@@ -25,11 +25,12 @@ from . import runtime as _runtime  # noqa: F401 (first: it sets MPI's environmen
 from mpi4py import MPI  # noqa: E402
 
 from . import config, nodecast
-from .collectives import Handle, ReduceOp, check_same_layout
+from .collectives import Handle, MPICommunicator, ReduceOp, check_same_layout
 from .dataplane import DataPlane
 from .errors import CommunicationError, ConfigurationError
 from .fusion import Bucket, plan_buckets
 from .runtime import World, wait_request, world as current_world
+from .strategy import Strategy
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object_state", "GradientStats"]
@@ -106,6 +107,11 @@ class DistributedOptimizer:
         self._staged_extras = torch.zeros(max(self._extra_slots, 0) + 1, dtype=torch.float64)
         self._skip_sync = False
         self._synchronized = False  # synchronize() ran since the last backward
+        self.strategy = Strategy()
+        self._sync_grads = True       # this step averages gradients (the strategy, monitors)
+        self._model_alpha: Optional[float] = None  # this step's pull towards the average
+        self._model_avg: Optional[Tuple[List[Bucket], List[List[torch.Tensor]], Handle]] = None
+        self._control: Optional[MPICommunicator] = None
         self._version = -1
         self._buckets: List[_BucketState] = []
         self._param_bucket: Dict[torch.nn.Parameter, _BucketState] = {}
@@ -183,6 +189,70 @@ class DistributedOptimizer:
             self._staged_extras = torch.zeros(n + 1, dtype=torch.float64)
             self._version = -1
 
+    def set_strategy(self, strategy: Strategy) -> None:
+        """The synchronisation strategy from the next step on (``hpcadapt.strategy``)."""
+        self.strategy = strategy
+
+    def begin_step(self, step: int) -> None:
+        """Before forward: what this step exchanges. Under model averaging the models'
+        allreduce starts here (the parameters do not change until the update) and is
+        finished in ``synchronize``; gradients are averaged under S-SGD and on monitored
+        steps (``track_grad_norms``), else each replica keeps its own."""
+        self._ensure_current()
+        self._sync_grads = self.strategy.averages_gradients or self.track_grad_norms \
+            or self._world.size == 1
+        alpha = self.strategy.model_alpha(step) if self._world.size > 1 else None
+        self._model_alpha = alpha
+        if alpha is not None:
+            self._start_model_average()
+
+    def average_models(self) -> None:
+        """Every replica takes the plain average of all (collective; between steps)."""
+        self._ensure_current()
+        if self._world.size == 1:
+            return
+        self._model_alpha = 1.0
+        self._start_model_average()
+        self._finish_model_average()
+
+    def _start_model_average(self) -> None:
+        params = [p.data for _, p in self._named]
+        groups = [[params[i] for i in g] for g in plan_buckets(params, self._bucket_bytes)]
+        buckets = [Bucket.for_tensors(members) for members in groups]
+        for bucket, members in zip(buckets, groups):
+            bucket.pack(members)
+        # one fused allreduce per dtype group; the handles complete in order
+        handles = [self._comm.allreduce_async(b.flat, ReduceOp.SUM) for b in buckets]
+        self._model_avg = (buckets, groups, handles)
+
+    def _finish_model_average(self) -> None:
+        buckets, groups, handles = self._model_avg
+        alpha, n = self._model_alpha, float(self._world.size)
+        for handle in handles:
+            handle.wait()
+        with torch.no_grad():
+            for bucket, members in zip(buckets, groups):
+                offset = 0
+                for p in members:
+                    k = p.numel()
+                    mean = bucket.flat[offset:offset + k].view_as(p).div_(n)
+                    if alpha >= 1.0:
+                        p.copy_(mean)
+                    else:
+                        p.mul_(1.0 - alpha).add_(mean, alpha=alpha)
+                    offset += k
+        self._model_avg = None
+
+    def _control_reduction(self) -> GradientStats:
+        """Gradients stay local: the step's control values (loss, timings, stop votes) in a
+        small allreduce of their own, on the host over MPI (bounded like every wait)."""
+        if self._control is None:
+            self._control = MPICommunicator(self._world)  # follows the world's resizes
+        values = self._staged_extras.clone()
+        values[0] = 0.0
+        out = self._control.allreduce(values.numpy(), ReduceOp.SUM)
+        return GradientStats(0.0, 0.0, np.asarray(out)[1:self._extra_slots + 1].copy())
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally without communicating."""
@@ -216,6 +286,9 @@ class DistributedOptimizer:
         from .runtime import ABANDONED
 
         ABANDONED.append(self._buckets)
+        if self._model_avg is not None:
+            ABANDONED.append(self._model_avg)
+            self._model_avg = None
         self._buckets = []
         self._version = -1
         self._plane.close()
@@ -269,7 +342,7 @@ class DistributedOptimizer:
 
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
         self._synchronized = False
-        if self._skip_sync:
+        if self._skip_sync or not self._sync_grads:
             return
         if self._version != self._world.cluster_version:
             raise CommunicationError(
@@ -332,8 +405,17 @@ class DistributedOptimizer:
         return self._weight if self._weight is not None else 1.0 / self._world.size
 
     def synchronize(self) -> GradientStats:
-        """Finish every bucket's allreduce; afterwards ``.grad`` holds the averaged gradient."""
+        """Finish the step's communication: afterwards ``.grad`` holds the averaged gradient
+        (S-SGD; under model averaging this rank's own, and the parameters have been pulled
+        towards the replicas' average)."""
         self._ensure_current()
+        if not self._sync_grads:
+            self.last_stats = self._control_reduction()
+            if self._model_avg is not None:
+                self._finish_model_average()
+            self._reset_step()
+            self._synchronized = True
+            return self.last_stats
         for state in self._buckets:
             if not state.launched:
                 for p in state.params:
@@ -356,6 +438,8 @@ class DistributedOptimizer:
         global_sq = float(host[-1]) if squares else 0.0
         self.last_stats = GradientStats(float(host[0]), global_sq,
                                         host[1:self._extra_slots + 1].copy())
+        if self._model_avg is not None:
+            self._finish_model_average()
         self._reset_step()
         self._synchronized = True
         return self.last_stats

@@ -31,6 +31,7 @@ class Plan:
     momentum: Optional[float] = None
     world_size: Optional[int] = None
     remove_rank: Optional[int] = None
+    strategy: Optional[Dict[str, Any]] = None  # hpcadapt.strategy.Strategy.to_dict()
     reason: str = ""
     decisions: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -52,6 +53,10 @@ class Plan:
             positive_float(n)
         if self.momentum is not None and not (0 <= self.momentum < 1):
             raise ConfigurationError(f"plan momentum must be in [0, 1), got {self.momentum!r}")
+        if self.strategy is not None:
+            from .strategy import Strategy
+
+            Strategy.from_dict(self.strategy)
         if self.ramp is not None:
             start, steps, a, b = self.ramp
             if steps < 0 or not all(math.isfinite(x) and x > 0 for x in (a, b)):
@@ -60,7 +65,7 @@ class Plan:
     @property
     def empty(self) -> bool:
         return all(getattr(self, n) is None for n in
-                   ("batch_size", "lr", "ramp", "momentum", "world_size"))
+                   ("batch_size", "lr", "ramp", "momentum", "world_size", "strategy"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

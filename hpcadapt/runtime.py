@@ -134,6 +134,13 @@ class World:
             old.Free()
         return None
 
+    def bump_version(self) -> int:
+        """A change of configuration without a new communicator (a strategy switch): the
+        version goes up on every rank at the same boundary, so that what caches per-world
+        resources rebuilds and a plan decided before it is refused."""
+        self._version += 1
+        return self._version
+
     def abandon(self) -> None:
         """Give up this world's communicators because a dead peer belongs to them: never
         freed (freeing waits on the dead), kept referenced until exit. Call ``replace``

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigurationError
+from .strategy import Strategy
 
 __all__ = ["HyperParams", "UserState", "TrainingState", "CHECKPOINT_FORMAT", "read_checkpoint"]
 
@@ -136,6 +137,7 @@ class TrainingState:
         self.gns = gns
         self.user = user
         self.policies = policies  # the engine (rank 0 decides with it), or None
+        self.strategy = Strategy()  # the synchronisation strategy (hpcadapt.strategy)
         self.step = 0
         self.epoch = 0
         self.last_accuracy = float("nan")
@@ -156,7 +158,8 @@ class TrainingState:
                 "accuracy": self.last_accuracy, "applied_lr": self.applied_lr,
                 # Policies decide on rank 0 only; their state matters for a checkpoint.
                 "policies": self.policies.state_dict() if self.policies is not None else {},
-                "user": self.user.state_dict(), "origin": dict(self.origin)}
+                "user": self.user.state_dict(), "origin": dict(self.origin),
+                "strategy": self.strategy.to_dict()}
 
     def load_meta(self, meta: Mapping[str, Any]) -> None:
         self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
@@ -173,6 +176,8 @@ class TrainingState:
         self.user.load_state_dict(meta["user"])
         if meta.get("origin"):
             self.origin = dict(meta["origin"])
+        if meta.get("strategy"):
+            self.strategy = Strategy.from_dict(meta["strategy"])
 
     # -- sync ------------------------------------------------------------------------------
     def broadcast(self, view, *, is_root: bool, root: int = 0) -> int:

@@ -16,9 +16,10 @@ from .goodput import Goodput
 from .resize_schedule import ResizeSchedule
 from .schedule import Schedule
 from .straggler import Straggler
+from .sync_switch import SyncSwitch
 
 __all__ = ["Policy", "Decision", "MetricsSnapshot", "Param", "POLICIES", "register",
-           "GNSBatchSize", "Goodput", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "LRRule", "Ramp", "LR_RULES",
+           "GNSBatchSize", "Goodput", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "SyncSwitch", "LRRule", "Ramp", "LR_RULES",
            "add_policy_arguments", "build_policies", "build_lr_rule", "argparse_type"]
 
 POLICIES: Dict[str, Type[Policy]] = {}
@@ -32,7 +33,7 @@ def register(cls: Type[Policy]) -> Type[Policy]:
     return cls
 
 
-for _cls in (GNSBatchSize, Goodput, Schedule, ResizeSchedule, AutoScale, Straggler):
+for _cls in (GNSBatchSize, Goodput, Schedule, ResizeSchedule, AutoScale, Straggler, SyncSwitch):
     register(_cls)
 
 

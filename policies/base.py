@@ -50,10 +50,14 @@ class MetricsSnapshot:
     max_local_batch: Optional[int] = None  # --max-local-batch: larger shares accumulate
     cluster_version: int = 0
     resizing: bool = False   # a grow is under way (new workers starting)
+    strategy: str = "ssgd"   # the synchronisation strategy training uses now
 
     def with_changes(self, changes: Dict[str, Any]) -> "MetricsSnapshot":
         """The snapshot as the next policy in line sees it: earlier decisions applied."""
         own = {f.name for f in fields(self)}
+        changes = dict(changes)
+        if isinstance(changes.get("strategy"), dict):
+            changes["strategy"] = changes["strategy"].get("name", self.strategy)
         return replace(self, **{k: v for k, v in changes.items() if k in own})
 
     def values(self, names: Sequence[str]) -> Dict[str, float]:
@@ -73,11 +77,12 @@ class Decision:
     momentum: Optional[float] = None
     world_size: Optional[int] = None
     remove_rank: Optional[int] = None
+    strategy: Optional[Dict[str, Any]] = None  # hpcadapt.strategy.Strategy.to_dict()
     metrics: Dict[str, float] = field(default_factory=dict)
     policy: str = ""
 
     CHANGE_FIELDS: ClassVar[Tuple[str, ...]] = ("batch_size", "lr", "momentum", "world_size",
-                                                "remove_rank")
+                                                "remove_rank", "strategy")
 
     def changes(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in self.CHANGE_FIELDS if getattr(self, k) is not None}
@@ -94,6 +99,10 @@ class Decision:
         if self.world_size is not None and (int(self.world_size) != self.world_size
                                             or self.world_size < 1):
             raise ConfigurationError(f"world_size must be a positive integer, got {self.world_size}")
+        if self.strategy is not None:
+            from hpcadapt.strategy import Strategy
+
+            Strategy.from_dict(self.strategy)
         if self.remove_rank is not None and (self.world_size is None or self.remove_rank < 1):
             raise ConfigurationError(
                 f"remove_rank needs a world_size and must name a rank >= 1 (rank 0 coordinates), "

@@ -1,0 +1,81 @@
+"""Synchronisation strategies: how the replicas of a data-parallel job combine their work.
+
+* ``ssgd`` (synchronous SGD): every step averages the gradients (one allreduce, overlapped
+  with backward); the replicas stay bit-identical.
+* ``sma`` (synchronous model averaging, KungFu's SMA): every step pulls each replica towards
+  the average of all, ``v <- (1 - alpha) v + alpha mean(v)``, then applies its own local
+  gradient. The models' allreduce starts before forward and runs under the whole step.
+* ``local-sgd`` (model averaging every ``period`` steps): replicas train on their own
+  gradients and are averaged (``alpha`` = 1) after every ``period``-th step.
+
+The strategies that do not average gradients leave the step's control values (loss, timings,
+stop votes) without the gradient buckets to ride in: they travel in a small reduction of their
+own. On monitored steps the gradients are averaged all the same, so the noise-scale statistics
+mean what they mean under S-SGD. A pure value type; ``DistributedOptimizer`` applies it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Mapping, Optional
+
+from .errors import ConfigurationError
+
+__all__ = ["Strategy", "STRATEGIES"]
+
+STRATEGIES = ("ssgd", "sma", "local-sgd")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A strategy and its settings: ``sma_alpha`` in (0, 1] (SMA's pull towards the
+    average), ``period`` >= 1 (local SGD's steps between averages)."""
+
+    name: str = "ssgd"
+    sma_alpha: float = 0.1
+    period: int = 8
+
+    def __post_init__(self) -> None:
+        if self.name not in STRATEGIES:
+            raise ConfigurationError(f"unknown strategy {self.name!r}; choose from "
+                                     f"{', '.join(STRATEGIES)}")
+        if not (isinstance(self.sma_alpha, (int, float)) and math.isfinite(self.sma_alpha)
+                and 0 < self.sma_alpha <= 1):
+            raise ConfigurationError(f"--sma-alpha {self.sma_alpha!r} is outside (0, 1]: "
+                                     f"give the share of the average each step pulls in "
+                                     f"(KungFu uses 0.1)")
+        if not (isinstance(self.period, int) and self.period >= 1):
+            raise ConfigurationError(f"--local-sgd-period {self.period!r}: give a whole "
+                                     f"number of steps, 1 or more")
+
+    @property
+    def averages_gradients(self) -> bool:
+        return self.name == "ssgd"
+
+    def model_alpha(self, step: int) -> Optional[float]:
+        """The pull towards the models' average before the update of step ``step`` (0-based
+        count of steps done), or None when this step averages no models."""
+        if self.name == "sma":
+            return float(self.sma_alpha)
+        if self.name == "local-sgd" and (step + 1) % self.period == 0:
+            return 1.0
+        return None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Strategy":
+        if not isinstance(raw, Mapping):
+            raise ConfigurationError(f"a strategy must be an object, got {raw!r}")
+        unknown = set(raw) - {"name", "sma_alpha", "period"}
+        if unknown:
+            raise ConfigurationError(f"unknown strategy settings {sorted(unknown)}")
+        return cls(**dict(raw))
+
+    def describe(self) -> str:
+        if self.name == "sma":
+            return f"sma (alpha {self.sma_alpha:g})"
+        if self.name == "local-sgd":
+            return f"local-sgd (every {self.period} steps)"
+        return "ssgd"

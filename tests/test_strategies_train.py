@@ -1,0 +1,78 @@
+"""Synchronisation strategies end to end, on real MPI ranks with the training entry point
+(digits, 2 ranks): each trains to within a point of S-SGD; a switch in the middle of an epoch
+from sma to ssgd and back leaves the replicas bit-identical right after every switch into
+ssgd, raises the cluster version and uses every sample of every epoch exactly once; model
+averaging goes on across a grow and a shrink."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, mpiexec
+from test_failure import Run, every_sample_once
+
+pytestmark = pytest.mark.slow
+
+TRAIN = ["-m", "hpcadapt.train", "--no-progress", "--batch-size", "32", "--lr", "0.05",
+         "--seed", "0", "--threads", "1"]
+
+
+def _train(tmp_path, name, flags, epochs=8):
+    metrics = tmp_path / f"{name}.jsonl"
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable] + TRAIN +
+                          ["--epochs", str(epochs), "--metrics-file", str(metrics),
+                           "--sample-log", str(tmp_path / f"{name}-samples")] + flags,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return summary, rows
+
+
+def test_every_strategy_trains_to_within_a_point_of_ssgd(tmp_path):
+    acc = {}
+    for name, flags in [("ssgd", []), ("sma", ["--strategy", "sma"]),
+                        ("local-sgd", ["--strategy", "local-sgd", "--local-sgd-period", "4"])]:
+        summary, _ = _train(tmp_path, name, flags)
+        acc[name] = summary["final_test_accuracy"]
+        every_sample_once(tmp_path / f"{name}-samples")
+    print("final test accuracy:", acc)
+    assert acc["ssgd"] > 0.9, acc
+    for name in ("sma", "local-sgd"):
+        assert acc[name] >= acc["ssgd"] - 0.01, acc
+
+
+def test_a_switch_mid_epoch_to_ssgd_and_back_leaves_identical_replicas(tmp_path):
+    # digits: 45 steps an epoch at batch 32; every switch lands inside an epoch
+    _, rows = _train(tmp_path, "switch", [
+        "--strategy", "sma", "--check-replicas", "--policy", "sync-switch",
+        "--sync-switch-steps", "20:ssgd,50:sma,80:local-sgd,110:ssgd,140:sma"], epochs=4)
+    switches = [r for r in rows if r["event"] == "strategy"]
+    assert [(s["step"], s["to"]["name"]) for s in switches] == [
+        (20, "ssgd"), (50, "sma"), (80, "local-sgd"), (110, "ssgd"), (140, "sma")]
+    assert all(s["step"] % 45 != 0 for s in switches)
+    into_ssgd = [s for s in switches if s["to"]["name"] == "ssgd"]
+    assert all(s["replicas_identical"] is True for s in into_ssgd), into_ssgd
+    versions = [s["cluster_version"] for s in switches]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    assert all(s["cluster_version"] == s["previous_cluster_version"] + 1 for s in switches)
+    every_sample_once(tmp_path / "switch-samples")
+
+
+def test_model_averaging_goes_on_across_a_grow_and_a_shrink(tmp_path):
+    run = Run(tmp_path, 2, ["--strategy", "sma", "--max-workers", "3", "--policy",
+                            "resize-schedule", "--resize-schedule-steps", "3:3,60:2",
+                            "--resize-schedule-hold", "30"])
+    run.wait_for("the shrink back to 2 and steps after it", lambda: [
+        s for s in run.steps() if s["world_size"] == 2 and any(
+            r.get("event") == "resize" and r["ok"] and r["new_size"] == 2
+            and s["step"] > r["step"] + 5 for r in run.rows())])
+    resizes = [(r["old_size"], r["new_size"]) for r in run.rows()
+               if r.get("event") == "resize" and r["ok"]]
+    assert resizes[:2] == [(2, 3), (3, 2)], resizes
+    run.stop_file.write_text("stop")
+    assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
+    every_sample_once(run.samples)
+    run.assert_no_process_left()

@@ -1,0 +1,91 @@
+"""Synchronisation strategies as values, the plan that carries a switch, and the sync-switch
+policy's decisions: pure functions, no MPI."""
+
+import math
+
+import pytest
+
+from hpcadapt.errors import ConfigurationError
+from hpcadapt.plan import Plan
+from hpcadapt.policies import SyncSwitch
+from hpcadapt.policies.base import MetricsSnapshot
+from hpcadapt.strategy import STRATEGIES, Strategy
+
+
+def test_which_steps_average_what():
+    assert Strategy("ssgd").averages_gradients and Strategy("ssgd").model_alpha(3) is None
+    sma = Strategy("sma", sma_alpha=0.25)
+    assert not sma.averages_gradients and all(sma.model_alpha(s) == 0.25 for s in range(5))
+    local = Strategy("local-sgd", period=4)
+    assert [local.model_alpha(s) for s in range(8)] == [None, None, None, 1.0] * 2
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"name": "pair"}, "unknown strategy 'pair'; choose from ssgd, sma, local-sgd"),
+    ({"name": "sma", "sma_alpha": 0.0}, "--sma-alpha 0.0 is outside (0, 1]"),
+    ({"name": "sma", "sma_alpha": 1.5}, "--sma-alpha 1.5 is outside (0, 1]"),
+    ({"name": "sma", "sma_alpha": math.nan}, "--sma-alpha nan"),
+    ({"name": "local-sgd", "period": 0}, "--local-sgd-period 0"),
+])
+def test_bad_settings_are_refused_with_the_value_and_the_choices(kwargs, needle):
+    with pytest.raises(ConfigurationError, match=None) as err:
+        Strategy(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_a_plan_carries_a_strategy_through_json_and_refuses_a_bad_one():
+    plan = Plan(version=3, step=10, strategy=Strategy("sma", 0.5).to_dict())
+    again = Plan.from_json(plan.to_json())
+    assert Strategy.from_dict(again.strategy) == Strategy("sma", 0.5) and not again.empty
+    with pytest.raises(ConfigurationError, match="unknown strategy"):
+        Plan.from_json(Plan(version=3, step=10, strategy={"name": "x"}).to_json())
+    with pytest.raises(ConfigurationError, match="unknown strategy settings"):
+        Strategy.from_dict({"name": "sma", "alpha": 0.2})
+
+
+def _snap(step, strategy="sma", world_size=2, noise_scale=math.nan, monitored=False):
+    return MetricsSnapshot(step=step, epoch=0, world_size=world_size, batch_size=32, lr=0.1,
+                           momentum=0.9, base_lr=0.1, base_batch_size=32,
+                           noise_scale=noise_scale, monitored=monitored, strategy=strategy)
+
+
+def test_sync_switch_follows_its_schedule_in_order_and_once():
+    p = SyncSwitch(steps=[(10, "ssgd"), (20, "sma")])
+    assert p.after_step(_snap(9)) is None
+    d = p.after_step(_snap(10))
+    assert d.strategy["name"] == "ssgd" and "scheduled at step 10" in d.reason
+    assert p.after_step(_snap(15, "ssgd")) is None
+    assert p.after_step(_snap(21, "ssgd")).strategy["name"] == "sma"
+    assert p.after_step(_snap(30, "sma")) is None
+    d.validate()
+
+
+def test_sync_switch_on_the_noise_scale_and_the_world_size_fires_once():
+    p = SyncSwitch(noise_scale=500.0, to="ssgd")
+    assert p.requires == ("gns",) and "noise_scale" in p.reads
+    assert p.after_step(_snap(5, noise_scale=400.0, monitored=True)) is None
+    assert p.after_step(_snap(6, noise_scale=900.0, monitored=False)) is None  # not measured
+    d = p.after_step(_snap(10, noise_scale=600.0, monitored=True))
+    assert d.strategy["name"] == "ssgd" and d.metrics == {"noise_scale": 600.0}
+    assert p.after_step(_snap(20, "sma", noise_scale=900.0, monitored=True)) is None
+    w = SyncSwitch(workers=4, to="local-sgd", period=5)
+    assert w.requires == () and "noise_scale" not in w.reads
+    assert w.after_step(_snap(1, "ssgd", world_size=2)) is None
+    d = w.after_step(_snap(2, "ssgd", world_size=4))
+    assert Strategy.from_dict(d.strategy) == Strategy("local-sgd", period=5)
+
+
+def test_sync_switch_needs_a_trigger_and_usable_settings():
+    with pytest.raises(ConfigurationError, match="needs a trigger"):
+        SyncSwitch()
+    with pytest.raises(ConfigurationError, match="--sma-alpha 2"):
+        SyncSwitch(steps=[(5, "sma")], sma_alpha=2.0)
+    assert set(STRATEGIES) == {"ssgd", "sma", "local-sgd"}
+
+
+def test_sync_switch_state_round_trips():
+    p = SyncSwitch(steps=[(1, "ssgd")], workers=3)
+    p.after_step(_snap(1))
+    q = SyncSwitch(steps=[(1, "ssgd")], workers=3)
+    q.load_state_dict(p.state_dict())
+    assert q.after_step(_snap(2, "ssgd")) is None and q.next == 1

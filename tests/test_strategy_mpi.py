@@ -1,0 +1,98 @@
+"""Model averaging in the data-parallel optimizer, on real MPI ranks (any size >= 2):
+replicas that start apart are pulled together exactly as each strategy says, the control
+values still reach every rank when gradients stay local, and a monitored step averages the
+gradients whatever the strategy."""
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpcadapt
+from hpcadapt.parallel import DistributedOptimizer
+from hpcadapt.strategy import Strategy
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.fixture(scope="module")
+def w():
+    return hpcadapt.init()
+
+
+def _setup(w, strategy, lr=0.0):
+    """A linear model whose weights differ per rank (no initial broadcast)."""
+    torch.manual_seed(1000 + w.rank)
+    model = torch.nn.Linear(6, 3)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                               model.named_parameters(), world=w, extra_slots=2,
+                               broadcast_initial_state=False)
+    opt.set_strategy(strategy)
+    return model, opt
+
+
+def _all(w, model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    out = np.empty((w.size, flat.size), dtype=flat.dtype)
+    w.comm.Allgather(flat, out)
+    return flat, out
+
+
+def _step(w, model, opt, step, extras=(1.0, 2.0)):
+    opt.zero_grad()
+    opt.begin_step(step)
+    opt.stage_extras([e * (w.rank + 1) for e in extras])
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 100 + w.rank))
+    model(x).pow(2).mean().backward()
+    stats = opt.synchronize()
+    opt.step()
+    return stats
+
+
+def test_sma_pulls_each_replica_alpha_of_the_way_to_the_average(w):
+    model, opt = _setup(w, Strategy("sma", sma_alpha=0.25))
+    before, everyone = _all(w, model)
+    stats = _step(w, model, opt, 0)
+    after, _ = _all(w, model)
+    expected = 0.75 * before + 0.25 * everyone.mean(axis=0)
+    assert np.allclose(after, expected, rtol=1e-6, atol=1e-7)
+    # the control values rode their own reduction: the sums over ranks
+    n = w.size
+    assert np.allclose(stats.extras, [n * (n + 1) / 2, n * (n + 1)])
+
+
+def test_local_sgd_averages_only_every_period_steps(w):
+    model, opt = _setup(w, Strategy("local-sgd", period=3))
+    start, start_all = _all(w, model)
+    for step in range(2):
+        _step(w, model, opt, step)
+    unchanged, everyone = _all(w, model)
+    assert np.array_equal(unchanged, start)          # lr 0, no averaging yet
+    assert not np.allclose(everyone[0], everyone[1])
+    _step(w, model, opt, 2)                          # the third step averages
+    _, everyone = _all(w, model)
+    assert np.allclose(everyone, everyone[0], rtol=0, atol=1e-7)
+    assert np.allclose(everyone[0], start_all.mean(axis=0), rtol=1e-6, atol=1e-7)
+
+
+def test_local_gradients_stay_local_unless_the_step_is_monitored(w):
+    model, opt = _setup(w, Strategy("sma", sma_alpha=1.0), lr=0.1)
+    opt.average_models()  # one model everywhere: the gradients differ by data only
+    _step(w, model, opt, 0)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+    out = np.empty((w.size, grads.size), dtype=grads.dtype)
+    w.comm.Allgather(grads, out)
+    assert not np.allclose(out[0], out[1])  # each rank's own gradient
+    opt.track_grad_norms = True             # a monitored step: averaged, norms measured
+    stats = _step(w, model, opt, 1)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+    w.comm.Allgather(grads, out)
+    assert np.allclose(out, out[0], atol=1e-7) and stats.global_sqnorm > 0
+
+
+def test_ssgd_is_unchanged(w):
+    model, opt = _setup(w, Strategy("ssgd"), lr=0.1)
+    opt.average_models()
+    _step(w, model, opt, 0)
+    _, everyone = _all(w, model)
+    assert np.allclose(everyone, everyone[0], atol=1e-7)
