@@ -28,6 +28,8 @@ BENCHMARKS = {
                                     "API vs the built-in entry point"),
     "slurm-resize": ("driver_slurm", "Slurm test cluster: decision to new nodes training, "
                                      "and to released nodes idle; vs resubmitting"),
+    "topology": ("driver_topology", "allreduce topologies side by side: flat, hierarchical, "
+                                    "ring, tree on 4 ranks in 2 emulated nodes"),
     "gpu": ("driver_gpu", "one GPU: hpcadapt vs DDP over NCCL, monitoring overhead, NCCL vs "
                           "host-staged allreduce bandwidth"),
 }

@@ -159,25 +159,28 @@ class StepHandle(Handle):
     """A Handle over an algorithm written as a generator: each step does its local work
     (adding what arrived) and yields the requests the next step waits for.
 
-    Progress happens only inside ``test()`` and ``wait()`` (there is no thread): ``test()``
-    takes every step whose requests are done, without blocking; a handle that is never
-    tested does its remaining steps synchronously inside ``wait()``, each wait bounded by
-    the PeerWatch.
-
-    ``order`` (shared by the handles of one topology) is for algorithms whose later steps
-    are collectives: MPI wants collectives on a communicator started in the same order on
-    every rank, so a handle goes past its first step only when every older one in
-    ``order`` has finished (``test()`` polls them; ``wait()`` waits for them)."""
+    Progress happens only inside ``test()`` and ``wait()`` (there is no thread), so the
+    handles of one topology are driven together, oldest first, through ``order`` (the
+    handles in flight, in the order they were started, the same on every rank):
+    ``test()`` first advances every older handle as far as it can without blocking, then
+    this one; ``wait()`` first waits for every older handle, then does this one's
+    remaining steps synchronously, each wait bounded by the PeerWatch. So a rank blocked
+    on one allreduce never holds up another that a peer is waiting for, however the ranks
+    order their waits. With ``ordered`` (algorithms whose later steps are collectives,
+    which MPI wants started in the same order on every rank) a handle goes past its first
+    step only when every older one has finished."""
 
     def __init__(self, steps: Steps, finish: Callable[[], Any],
-                 watch: Optional[PeerWatch], what: str, order: Optional[List[Any]] = None):
+                 watch: Optional[PeerWatch], what: str, order: List["StepHandle"],
+                 ordered: bool = False):
         super().__init__(None, finish, watch, what)
         self._steps = steps
         self._pending: List[MPI.Request] = []
         self._exhausted = False
         self._order = order
+        self._ordered = ordered
         self._next()  # the first messages leave now
-        if order is not None and not self._exhausted:
+        if not self._exhausted:
             order.append(self)
 
     def _next(self) -> None:
@@ -186,43 +189,49 @@ class StepHandle(Handle):
         except StopIteration:
             self._pending, self._exhausted = [], True
 
-    def _first_in_line(self, block: bool) -> bool:
-        for older in list(self._order or ()):
-            if older is self:
-                return True
-            if block:
-                older.wait()
-            elif not older.test():
-                return False
-        return True
-
-    def test(self) -> bool:
+    def _poll(self, older_done: bool) -> bool:
+        """Take every step whose requests are done, without blocking; True when finished."""
         if self._done:
             return True
         while not self._exhausted:
             if self._pending and not MPI.Request.Testall(self._pending):
                 return False
             self._pending = []
-            if not self._first_in_line(block=False):
+            if self._ordered and not older_done:
                 return False
             self._next()
         self._complete()
         return True
 
+    def test(self) -> bool:
+        if self._done:
+            return True
+        older_done = True
+        for older in list(self._order):
+            if older is self:
+                break
+            older_done = older._poll(older_done) and older_done
+        return self._poll(older_done)
+
     def wait(self) -> Any:
         if not self._done:
+            for older in list(self._order):
+                if older is self:
+                    break
+                older.wait()
             while not self._exhausted:
                 for request in self._pending:
                     wait_request(request, self._watch, self._what)
                 self._pending = []
-                self._first_in_line(block=True)
                 self._next()
             self._complete()
         return self._result
 
     def _complete(self) -> None:
-        if self._order is not None and self in self._order:
+        try:
             self._order.remove(self)
+        except ValueError:
+            pass  # finished at once: never in flight
         super()._complete()
 
 
@@ -233,7 +242,11 @@ def _one(request: MPI.Request) -> Steps:
 
 # -- the communicators ------------------------------------------------------------------
 class TopologyCommunicator:
-    """A Communicator whose allreduce follows one topology; built by ``build_topology``."""
+    """A Communicator whose allreduce follows one topology; built by ``build_topology``.
+
+    Its allreduces in flight are driven together (``StepHandle``); those of two separate
+    topology objects are not, so wait for those in the same order on every rank, or use
+    one ``TopologySwitch``."""
 
     topology: Topology
     ordered = False  # True where a step after the first is a collective (see StepHandle)
@@ -250,8 +263,9 @@ class TopologyCommunicator:
         self.fallback_reason = fallback_reason
         self._check = config.check_collectives()
         self._seq = 0
-        # handles in flight, oldest first, for topologies whose later steps are collectives
-        self._order: Optional[List[StepHandle]] = [] if self.ordered else None
+        # this topology's handles in flight, oldest first (see StepHandle); a
+        # TopologySwitch shares one list among its topologies
+        self._order: List[StepHandle] = []
 
     @property
     def comm(self) -> MPI.Intracomm:
@@ -279,7 +293,8 @@ class TopologyCommunicator:
             return x
 
         return StepHandle(steps, finish, self._watch,
-                          f"a {self.topology.value} allreduce", self._order)
+                          f"a {self.topology.value} allreduce", self._order,
+                          self.ordered)
 
     def allreduce(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Array:
         return self.allreduce_async(x, op).wait()
@@ -544,7 +559,8 @@ class TopologySwitch:
     Each topology is built on its first use and kept until ``free()`` (so switching back
     costs nothing); building is collective, so every rank switches at the same boundary
     (the step boundary's plan says which). Handles already in flight finish on the
-    topology they started on."""
+    topology they started on; all the switch's handles are driven together, oldest first
+    (``StepHandle``), so ranks may wait for them in any order."""
 
     def __init__(self, world_comm: Any, *, ranks_per_node: Union[None, int, str] = None,
                  watch: Optional[PeerWatch] = None,
@@ -553,6 +569,7 @@ class TopologySwitch:
         self._ranks_per_node = parse_ranks_per_node(ranks_per_node)
         self._watch = watch
         self._built: Dict[Topology, TopologyCommunicator] = {}
+        self._order: List[StepHandle] = []
         self._current = self._get(parse_topology(initial))
 
     def _get(self, topology: Topology) -> TopologyCommunicator:
@@ -561,6 +578,7 @@ class TopologySwitch:
             built = self._built[topology] = build_topology(
                 topology, self._world_comm, ranks_per_node=self._ranks_per_node,
                 watch=self._watch)
+            built._order = self._order  # one line of handles across a switch
         return built
 
     @property

@@ -75,6 +75,7 @@ def lengths(size):
 @pytest.mark.parametrize("topology,per_node", LAYOUTS)
 def test_bit_identical_to_flat_on_exact_values(w, built, topology, per_node, dtype):
     topo = built(topology, per_node)
+    results = []
     for n in lengths(w.size):
         for op in OPS:
             x = integer_valued(n, w.rank, dtype)
@@ -83,7 +84,8 @@ def test_bit_identical_to_flat_on_exact_values(w, built, topology, per_node, dty
             assert out is x
             assert x.dtype == np.dtype(dtype) and x.shape == (n,)
             assert np.array_equal(x, expect), (topology, per_node, n, op, x[:8], expect[:8])
-            assert same_bits_everywhere(w, x)
+            results.append(x)
+    assert same_bits_everywhere(w, np.concatenate(results))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -124,6 +126,27 @@ def test_many_handles_in_flight_polled_out_of_order(w, built, topology):
     for i, (h, x) in enumerate(zip(handles, xs)):
         assert h.wait() is x
         assert np.all(x == sum(range(w.size)) + i * w.size)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_ranks_that_poll_differently_agree(w, built, topology):
+    """Even ranks finish the first allreduce before starting the second; odd ranks start
+    both, then wait for the second first: the collectives inside the hierarchical
+    topology still line up (each stage has its own communicator, later stages start in
+    issue order)."""
+    topo = built(topology, "2")
+    a, b = np.full(9, float(w.rank)), np.full(4, 1.0 + w.rank)
+    if w.rank % 2 == 0:
+        topo.allreduce_async(a).wait()
+        hb = topo.allreduce_async(b)
+        while not hb.test():
+            pass
+    else:
+        ha, hb = topo.allreduce_async(a), topo.allreduce_async(b)
+        hb.wait()
+        ha.wait()
+    total = sum(range(w.size))
+    assert np.all(a == total) and np.all(b == total + w.size)
 
 
 def test_hierarchical_on_one_node_falls_back_to_flat_with_a_reason(w, caplog):
@@ -190,12 +213,16 @@ def test_switch_at_step_boundaries_gives_flat_results(w):
             reference = flat(w, noisy, ReduceOp.SUM)
             switch.allreduce(noisy, ReduceOp.SUM)
             assert np.all(np.abs(noisy - reference) <= bound)
-        # a handle started before a switch finishes on its own topology
-        x = np.full(10, 1.0)
+        # a handle started before a switch finishes on its own topology, and the ranks
+        # may wait for the two in different orders
+        x, y = np.full(10, 1.0), np.full(3, 2.0)
         switch.switch("ring")
-        h = switch.allreduce_async(x)
+        hx = switch.allreduce_async(x)
         switch.switch("tree")
-        assert np.all(h.wait() == w.size)
+        hy = switch.allreduce_async(y)
+        for h in ([hx, hy] if w.rank % 2 else [hy, hx]):
+            h.wait()
+        assert np.all(x == w.size) and np.all(y == 2 * w.size)
     finally:
         switch.free()
 
