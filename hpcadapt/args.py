@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import List
+from typing import List, Optional
 
 from hpcadapt.policies import POLICIES, add_policy_arguments, argparse_type, params
 from hpcadapt.policies.lr_rules import RULE_PARAMS
@@ -18,6 +18,7 @@ from .engine import RESIZE_BATCH
 from .monitor import MONITORS
 from .preemption import EXIT_REQUEUE, parse_signal
 from .strategy import STRATEGIES
+from .topology import Topology, parse_ranks_per_node
 
 __all__ = ["add_arguments", "warn_unused_policy_flags", "ALLOCATORS", "RESIZE_BATCH",
            "positive_int", "positive_float"]
@@ -42,6 +43,15 @@ def _factor(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be 1 or more (2 makes the rank take twice as "
                                          f"long), got {text}")
     return v
+
+
+def _ranks_per_node(text: str) -> Optional[int]:
+    from .errors import ConfigurationError
+
+    try:
+        return parse_ranks_per_node(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _signal_list(text: str) -> List[str]:
@@ -86,6 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="sma: share of the average pulled in each step, in (0, 1]")
     y.add_argument("--local-sgd-period", type=positive_int, default=8,
                    help="local-sgd: steps between model averages (1 or more)")
+    y.add_argument("--topology", choices=[t.value for t in Topology], default="flat",
+                   help="how the gradients' allreduce travels: flat (MPI's own), "
+                        "hierarchical (within each node, then one leader per node), ring or "
+                        "tree (hpcadapt's own, over point-to-point messages); switchable by "
+                        "the topology-auto policy")
+    y.add_argument("--ranks-per-node", type=_ranks_per_node, default=None, metavar="K",
+                   help="pretend nodes of K consecutive ranks (tests and benchmarks on one "
+                        "host); default: the real nodes")
     t = parser.add_argument_group("slow ranks on purpose (tests and benchmarks)")
     t.add_argument("--slow-rank", type=_non_negative_int, default=None, metavar="RANK",
                    help="the rank that --slow-compute and --slow-comm slow down")

@@ -59,33 +59,63 @@ class DataPlane:
         self.plane = resolve_plane(device, plane)
         self._comm: Any = None
         self._version: Optional[int] = None
+        # The allreduce topology over MPI (hpcadapt.topology) and the emulated nodes it
+        # sees; set between steps, applied at the next cluster version.
+        self.topology = "flat"
+        self.ranks_per_node: Optional[int] = None
+        self._topology_comm: Any = None
+        self._built_for: Any = None
 
     def current(self) -> Any:
         """The communicator for the world's cluster version (built on first use and after
         every change)."""
-        if self._comm is None or self._version != self.world.cluster_version:
+        key = (self.topology, self.ranks_per_node)
+        if self._comm is None or self._version != self.world.cluster_version \
+                or self._built_for != key:
             self.close()
             self._comm = self._build()
             self._version = self.world.cluster_version
+            self._built_for = key
         return self._comm
 
-    def _build(self) -> Any:
+    def _mpi(self) -> Any:
+        """The MPI communicator of the gradients: MPI's own allreduce (flat) or a topology
+        of hpcadapt's, built collectively for this world."""
         from .collectives import MPICommunicator
 
-        if self.plane == "mpi":
+        if self.topology == "flat" and self.ranks_per_node is None or self.world.size == 1:
             return MPICommunicator(self.world)
+        from .topology import build_topology
+
+        self._topology_comm = build_topology(self.topology, self.world,
+                                             ranks_per_node=self.ranks_per_node)
+        return self._topology_comm
+
+    def _build(self) -> Any:
+        if self.plane == "mpi":
+            return self._mpi()
         if self.plane == "host-staged":
             from .cuda.staged import HostStagedCommunicator
 
-            return HostStagedCommunicator(MPICommunicator(self.world))
+            return HostStagedCommunicator(self._mpi())
         from .cuda.nccl import NCCLCommunicator
 
         return NCCLCommunicator(self.world.comm, self.device.index or 0,
                                 watch=self.world.watch)
 
-    def close(self) -> None:
-        """Let go of the communicator: NCCL's is aborted (never waits on a peer)."""
+    def close(self, *, abandon: bool = False) -> None:
+        """Let go of the communicator: NCCL's is aborted (never waits on a peer); a
+        topology's sub-communicators are freed, or, when a peer died in them
+        (``abandon``), kept referenced and never freed (freeing would wait on the dead)."""
         comm, self._comm = self._comm, None
+        topo, self._topology_comm = self._topology_comm, None
+        if topo is not None:
+            if abandon:
+                from .runtime import ABANDONED
+
+                ABANDONED.append(topo)
+            else:
+                topo.free()
         abort = getattr(comm, "abort", None)
         if abort is not None:
             abort()

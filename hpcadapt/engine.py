@@ -139,7 +139,7 @@ class PolicyEngine:
                     rule_lr = d.lr
                 else:
                     explicit_lr = d.lr
-            if d.world_size is not None or d.strategy is not None:
+            if d.world_size is not None or d.strategy is not None or d.topology is not None:
                 reason = f"{d.policy}: {d.reason}"
         fields: Dict[str, Any] = {}
         if explicit_lr is not None:
@@ -154,6 +154,8 @@ class PolicyEngine:
             fields["momentum"] = float(changes["momentum"])
         if "strategy" in changes:
             fields["strategy"] = dict(changes["strategy"])
+        if "topology" in changes:
+            fields["topology"] = str(changes["topology"])
         if "world_size" in changes:
             fields["world_size"] = int(changes["world_size"])
             if changes.get("remove_rank") is not None:

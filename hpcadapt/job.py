@@ -70,6 +70,8 @@ class JobOptions:
     strategy: str = "ssgd"
     sma_alpha: float = 0.1
     local_sgd_period: int = 8
+    topology: str = "flat"
+    ranks_per_node: Optional[int] = None
     slow_rank: Optional[int] = None
     slow_compute: float = 1.0
     slow_comm: float = 1.0
@@ -227,6 +229,10 @@ class Job:
         self._join_dir = config.take_join_dir()
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period)
+        from .topology import parse_ranks_per_node, parse_topology
+
+        parse_topology(o.topology)
+        parse_ranks_per_node(o.ranks_per_node)
         for flag, factor in (("--slow-compute", o.slow_compute), ("--slow-comm", o.slow_comm)):
             if not (math.isfinite(factor) and factor >= 1.0):
                 raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
@@ -407,6 +413,7 @@ class Job:
         self.state = TrainingState(model, optimizer, loader.sampler, hyper,
                                    GradientNoiseScale(o.monitor_ema), self.extra, self.engine)
         self.state.strategy = self._initial_strategy
+        self.state.topology = o.topology
         loader._job = self
         if self.joining:
             self._join()
@@ -577,6 +584,7 @@ class Job:
         opt.zero_grad()
         self._slow_down(o.slow_compute, self._prev_local[1])  # --slow-compute: before forward
         opt.set_strategy(st.strategy)
+        opt.set_topology(st.topology, o.ranks_per_node)
         opt.begin_step(st.step)
         self._loss_sum = 0.0
         self._step_open = True
@@ -850,6 +858,8 @@ class Job:
             self._apply_momentum(plan.momentum)
         if plan.strategy is not None:
             self._switch_strategy(Strategy.from_dict(plan.strategy), plan.reason or "policy")
+        if plan.topology is not None:
+            self.switch_topology(plan.topology, plan.reason or "policy")
         if plan.world_size is not None and plan.world_size != self.world.size:
             self.request_resize(plan.world_size, plan.reason or "policy",
                                 remove=[plan.remove_rank] if plan.remove_rank is not None else None)
@@ -858,6 +868,27 @@ class Job:
         """Change the synchronisation strategy from the next step on; call on every rank at
         the same point between steps (policies do it through a plan)."""
         self._switch_strategy(strategy, reason)
+
+    def switch_topology(self, topology: str, reason: str = "user request") -> None:
+        """The gradients' allreduce topology from the next step on (``hpcadapt.topology``:
+        flat, hierarchical, ring, tree); every rank at the same point between steps. The
+        new communicators are built collectively before the next step's first allreduce;
+        the cluster version goes up."""
+        from .topology import parse_topology
+
+        name = parse_topology(topology).value
+        st = self.state
+        if name == st.topology:
+            return
+        old, version = st.topology, self.world.cluster_version
+        st.topology = name
+        self.world.bump_version()
+        if self.world.rank == 0:
+            log.info("allreduce topology %s -> %s at step %d (%s)", old, name, st.step, reason)
+        self.sink.write({"event": "topology", "step": st.step, "epoch": st.epoch,
+                         "from": old, "to": name, "reason": reason,
+                         "previous_cluster_version": version,
+                         "cluster_version": self.world.cluster_version})
 
     def _switch_strategy(self, new: Strategy, reason: str) -> None:
         """Every rank, at a step boundary. Into S-SGD from model averaging the replicas
@@ -1413,6 +1444,13 @@ class Job:
                        rank_wait_time=self.last_times.wait_time.round(6).tolist())
         return out
 
+    def _node_count(self) -> int:
+        """Nodes the world spans: emulated ones (--ranks-per-node) or real ones."""
+        k = self.options.ranks_per_node
+        if k is not None:
+            return -(-self.world.size // k)
+        return len({key for _, key, _ in self.world.peers})
+
     def snapshot(self):
         """What rank 0 knows at this step boundary, for the policies."""
         from hpcadapt.policies.base import MetricsSnapshot
@@ -1438,7 +1476,7 @@ class Job:
             max_local_batch=self.options.max_local_batch,
             cluster_version=self.world.cluster_version,
             resizing=bool(self.elastic is not None and self.elastic.growing),
-            strategy=st.strategy.name)
+            strategy=st.strategy.name, topology=st.topology, nodes=self._node_count())
 
     # -- metrics -------------------------------------------------------------------------------
     def _log_step(self, count: int) -> None:

@@ -189,6 +189,18 @@ class DistributedOptimizer:
             self._staged_extras = torch.zeros(n + 1, dtype=torch.float64)
             self._version = -1
 
+    def set_topology(self, topology: str, ranks_per_node: Optional[int] = None) -> None:
+        """The allreduce topology over MPI (``hpcadapt.topology``) from the next cluster
+        version on (the caller raises the version at the same boundary on every rank)."""
+        if (topology, ranks_per_node) != (self._plane.topology, self._plane.ranks_per_node):
+            self._plane.topology = topology
+            self._plane.ranks_per_node = ranks_per_node
+            self._version = -1  # the next step takes the new communicator (collective)
+
+    @property
+    def topology(self) -> str:
+        return self._plane.topology
+
     def set_strategy(self, strategy: Strategy) -> None:
         """The synchronisation strategy from the next step on (``hpcadapt.strategy``)."""
         self.strategy = strategy
@@ -291,7 +303,7 @@ class DistributedOptimizer:
             self._model_avg = None
         self._buckets = []
         self._version = -1
-        self._plane.close()
+        self._plane.close(abandon=True)
 
     def _build(self) -> None:
         """Bucket the parameters in reverse order (the order backward produces gradients)."""

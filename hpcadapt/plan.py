@@ -32,6 +32,7 @@ class Plan:
     world_size: Optional[int] = None
     remove_rank: Optional[int] = None
     strategy: Optional[Dict[str, Any]] = None  # hpcadapt.strategy.Strategy.to_dict()
+    topology: Optional[str] = None  # hpcadapt.topology.Topology's value
     reason: str = ""
     decisions: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -57,6 +58,10 @@ class Plan:
             from .strategy import Strategy
 
             Strategy.from_dict(self.strategy)
+        if self.topology is not None:
+            from .topology import parse_topology
+
+            parse_topology(self.topology)
         if self.ramp is not None:
             start, steps, a, b = self.ramp
             if steps < 0 or not all(math.isfinite(x) and x > 0 for x in (a, b)):
@@ -65,7 +70,8 @@ class Plan:
     @property
     def empty(self) -> bool:
         return all(getattr(self, n) is None for n in
-                   ("batch_size", "lr", "ramp", "momentum", "world_size", "strategy"))
+                   ("batch_size", "lr", "ramp", "momentum", "world_size", "strategy",
+                    "topology"))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

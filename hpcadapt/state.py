@@ -138,6 +138,7 @@ class TrainingState:
         self.user = user
         self.policies = policies  # the engine (rank 0 decides with it), or None
         self.strategy = Strategy()  # the synchronisation strategy (hpcadapt.strategy)
+        self.topology = "flat"      # the gradients' allreduce topology (hpcadapt.topology)
         self.step = 0
         self.epoch = 0
         self.last_accuracy = float("nan")
@@ -159,7 +160,7 @@ class TrainingState:
                 # Policies decide on rank 0 only; their state matters for a checkpoint.
                 "policies": self.policies.state_dict() if self.policies is not None else {},
                 "user": self.user.state_dict(), "origin": dict(self.origin),
-                "strategy": self.strategy.to_dict()}
+                "strategy": self.strategy.to_dict(), "topology": self.topology}
 
     def load_meta(self, meta: Mapping[str, Any]) -> None:
         self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
@@ -178,6 +179,8 @@ class TrainingState:
             self.origin = dict(meta["origin"])
         if meta.get("strategy"):
             self.strategy = Strategy.from_dict(meta["strategy"])
+        if meta.get("topology"):
+            self.topology = str(meta["topology"])
 
     # -- sync ------------------------------------------------------------------------------
     def broadcast(self, view, *, is_root: bool, root: int = 0) -> int:

@@ -51,6 +51,8 @@ class MetricsSnapshot:
     cluster_version: int = 0
     resizing: bool = False   # a grow is under way (new workers starting)
     strategy: str = "ssgd"   # the synchronisation strategy training uses now
+    topology: str = "flat"   # the gradients' allreduce topology now
+    nodes: int = 1           # nodes the world spans (emulated ones with --ranks-per-node)
 
     def with_changes(self, changes: Dict[str, Any]) -> "MetricsSnapshot":
         """The snapshot as the next policy in line sees it: earlier decisions applied."""
@@ -78,11 +80,12 @@ class Decision:
     world_size: Optional[int] = None
     remove_rank: Optional[int] = None
     strategy: Optional[Dict[str, Any]] = None  # hpcadapt.strategy.Strategy.to_dict()
+    topology: Optional[str] = None  # the gradients' allreduce topology (hpcadapt.topology)
     metrics: Dict[str, float] = field(default_factory=dict)
     policy: str = ""
 
     CHANGE_FIELDS: ClassVar[Tuple[str, ...]] = ("batch_size", "lr", "momentum", "world_size",
-                                                "remove_rank", "strategy")
+                                                "remove_rank", "strategy", "topology")
 
     def changes(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in self.CHANGE_FIELDS if getattr(self, k) is not None}
@@ -103,6 +106,10 @@ class Decision:
             from hpcadapt.strategy import Strategy
 
             Strategy.from_dict(self.strategy)
+        if self.topology is not None:
+            from hpcadapt.topology import parse_topology
+
+            parse_topology(self.topology)
         if self.remove_rank is not None and (self.world_size is None or self.remove_rank < 1):
             raise ConfigurationError(
                 f"remove_rank needs a world_size and must name a rank >= 1 (rank 0 coordinates), "

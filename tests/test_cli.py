@@ -44,6 +44,7 @@ def test_unknown_dataset_lists_choices(capsys):
     ("--sma-alpha", "0", "(0, 1]"), ("--sma-alpha", "1.5", "(0, 1]"),
     ("--local-sgd-period", "0", "positive"), ("--slow-compute", "0.5", "1 or more"),
     ("--slow-comm", "nan", "1 or more"), ("--slow-rank", "-1", "must be >= 0"),
+    ("--topology", "star", "invalid choice: 'star'"), ("--ranks-per-node", "0", ">= 1"),
 ])
 def test_bad_values_name_the_rule(capsys, flag, value, words):
     err = parse_error([flag, value], capsys)

@@ -19,9 +19,9 @@ TRAIN = ["-m", "hpcadapt.train", "--no-progress", "--batch-size", "32", "--lr", 
          "--seed", "0", "--threads", "1"]
 
 
-def _train(tmp_path, name, flags, epochs=8):
+def _train(tmp_path, name, flags, epochs=8, ranks=2):
     metrics = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable] + TRAIN +
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable] + TRAIN +
                           ["--epochs", str(epochs), "--metrics-file", str(metrics),
                            "--sample-log", str(tmp_path / f"{name}-samples")] + flags,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -76,3 +76,15 @@ def test_model_averaging_goes_on_across_a_grow_and_a_shrink(tmp_path):
     assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
     every_sample_once(run.samples)
     run.assert_no_process_left()
+
+
+def test_topology_auto_takes_the_hierarchical_allreduce_on_two_emulated_nodes(tmp_path):
+    summary, rows = _train(tmp_path, "topo", [
+        "--ranks-per-node", "2", "--policy", "topology-auto", "--topology-auto-window", "10"],
+        epochs=3, ranks=4)
+    switches = [r for r in rows if r["event"] == "topology"]
+    assert switches and switches[0]["step"] == 0, switches
+    assert (switches[0]["from"], switches[0]["to"]) == ("flat", "hierarchical")
+    assert all(s["cluster_version"] == s["previous_cluster_version"] + 1 for s in switches)
+    assert summary["final_test_accuracy"] > 0.9, summary
+    every_sample_once(tmp_path / "topo-samples")

@@ -96,3 +96,36 @@ def test_ssgd_is_unchanged(w):
     _step(w, model, opt, 0)
     _, everyone = _all(w, model)
     assert np.allclose(everyone, everyone[0], atol=1e-7)
+
+
+@pytest.mark.parametrize("topology,ranks_per_node", [
+    ("ring", None), ("tree", None), ("hierarchical", 2), ("hierarchical", None)])
+def test_a_topology_switch_averages_the_gradients_as_flat_does(w, topology, ranks_per_node):
+    """Whole-number gradients (input x, loss sum(W x)) with shares 1/size: every sum is
+    exact, so each topology's average is bit-identical to flat's; between steps the switch
+    rebuilds the communicators (collective) and training goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4, bias=False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               model.named_parameters(), world=w)
+    x = torch.arange(16, dtype=torch.float32).reshape(2, 8) + w.rank
+
+    def averaged():
+        opt.zero_grad()
+        opt.begin_step(0)
+        model(x).sum().backward()
+        opt.synchronize()
+        opt.step()
+        return model.weight.grad.clone()
+
+    flat = averaged()
+    opt.set_topology(topology, ranks_per_node)
+    other = averaged()
+    assert opt.topology == topology and torch.equal(flat, other)
+    # on random floats the sums are added in another order: equal within rounding
+    xs = torch.randn(2, 8, generator=torch.Generator().manual_seed(w.rank))
+    opt.zero_grad(); opt.begin_step(1); model(xs).sum().backward(); opt.synchronize()
+    theirs = model.weight.grad.clone()
+    opt.set_topology("flat", None)
+    opt.zero_grad(); opt.begin_step(2); model(xs).sum().backward(); opt.synchronize()
+    assert torch.allclose(theirs, model.weight.grad, rtol=1e-5, atol=1e-6)
