@@ -613,6 +613,11 @@ class Job:
                                      "yields, inside `for batch in loader`")
         if scaler is not None and not scaler.is_enabled():
             scaler = None
+        if scaler is not None and not self.state.strategy.averages_gradients:
+            raise ConfigurationError(
+                f"mixed precision with a GradScaler needs --strategy ssgd (under "
+                f"{self.state.strategy.name} each replica's scaler would skip its own steps "
+                f"and the scales would drift apart); train in bf16 without a scaler instead")
         self._loss_sum += float(loss.detach()) * self._micro_n
         scaled = loss * self._micro_share if self._micro_share != 1.0 else loss
         if scaler is not None:
@@ -678,6 +683,12 @@ class Job:
                             self._nonfinite_run)
         st.sampler.advance(self._part.global_count)
         st.step += 1
+        if st.strategy.averages_after(st.step - 1) and self.world.size > 1:
+            try:
+                self.optimizer.average_models()  # local SGD: the replicas become one
+            except world_mod.PeerFailure as exc:
+                self._recover(exc)  # the step is done on every survivor; training goes on
+                return
         t3 = time.perf_counter()
         self._prev_local = (t3 - self._t_step, t1 - self._t_step, t2 - t1)
         self._step_time = t3 - self._t_step
@@ -837,6 +848,15 @@ class Job:
         self._apply_plan(plan)
         if self.world.rank == 0:
             self.engine.told(decisions, snap)
+        # The policies' state after a decision goes to every rank (one small broadcast per
+        # decision): a worker that becomes the coordinator (rank 0 died) then holds it as of
+        # the last decision, so no decision already applied is taken again.
+        from .parallel import broadcast_object_state
+
+        state = broadcast_object_state({"policies": self.engine.state_dict()}
+                                       if self.world.rank == 0 else None, world=self.world)
+        if self.world.rank != 0:
+            self.engine.load_state_dict(state["policies"])
 
     def _apply_plan(self, plan: Plan) -> None:
         """The hyper-parameters change together; then a resize, if asked for."""
@@ -1237,17 +1257,21 @@ class Job:
 
     def _survey_survivors(self):
         """(the lowest rank whose state is furthest on, whether every survivor's state is
-        the same): one bounded allgather of each rank's step and a fingerprint of the rest
-        (epoch, data cursor, hyper-parameters). Equal steps mean equal weights (every rank
+        the same): one bounded allgather of each rank's step, a fingerprint of the rest
+        (epoch, data cursor, hyper-parameters, strategy, topology) and cluster version. Equal steps mean equal weights (every rank
         applied the same updates), so equal fingerprints need no state broadcast."""
         st = self.state
-        plain = json.dumps([st.epoch, st.sampler.cursor, asdict(st.hyper), st.applied_lr],
-                           sort_keys=True, default=str)
-        mine = np.array([st.step, zlib.crc32(plain.encode())], dtype=np.int64)
-        table = np.empty((self.world.size, 2), dtype=np.int64)
+        plain = json.dumps([st.epoch, st.sampler.cursor, asdict(st.hyper), st.applied_lr,
+                            st.strategy.to_dict(), st.topology], sort_keys=True, default=str)
+        mine = np.array([st.step, zlib.crc32(plain.encode()), self.world.cluster_version],
+                        dtype=np.int64)
+        table = np.empty((self.world.size, 3), dtype=np.int64)
         world_mod.wait_request(self.world.comm.Iallgather(mine, table), self.world.watch,
                                "the recovery's state survey")
-        same = bool((table == table[0]).all())
+        # A survivor that applied one more boundary's switch than another holds a higher
+        # version: all take the highest, so the next plan's version check agrees everywhere.
+        self.world._version = int(table[:, 2].max())
+        same = bool((table[:, :2] == table[0, :2]).all())
         return int(np.argmax(table[:, 0])), same
 
     def _join(self) -> None:

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # Below this many bytes MPI's own broadcast is as fast: not worth two extra rounds.
 MIN_BYTES = 1 << 20
-_HEADER = 4  # node key, pid, fd, total bytes
+_HEADER = 6  # node key, pid, fd, total bytes, the file's device and inode
 _CHUNK = 1 << 30  # read/write at most 1 GiB per call (the kernel caps one call near 2 GiB)
 
 
@@ -46,24 +46,36 @@ def available() -> bool:
 def broadcast_buffers(comm: MPI.Intracomm, buffers: Sequence[np.ndarray], root: int,
                       watch: Optional[PeerWatch]) -> bool:
     """Make ``buffers`` (contiguous host arrays, the same sizes on every rank) hold root's
-    bytes on every rank of ``comm`` through a memory file. Collective. True when it did;
-    False on every rank when it could not (a receiver on another node or unable to open
-    the file): the caller then broadcasts over MPI. PeerFailure when a peer dies or stays
-    silent past ``watch``'s deadline."""
+    bytes on every rank of ``comm`` through a memory file. Collective: every rank takes the
+    same two small collectives whatever happens locally. True when it worked everywhere;
+    False on every rank when it did not (the root could not or may not make the file, a
+    receiver on another node, unable to open or read it, or configured otherwise): the
+    caller then broadcasts over MPI. PeerFailure when a peer dies or stays silent past
+    ``watch``'s deadline."""
     total = sum(b.nbytes for b in buffers)
-    if comm.Get_size() < 2 or total < MIN_BYTES or not available():
+    if comm.Get_size() < 2 or total < MIN_BYTES:
         return False
     is_root = comm.Get_rank() == root
     fd = -1
-    header = np.zeros(_HEADER, dtype=np.int64)
+    header = np.full(_HEADER, -1, dtype=np.int64)
     try:
-        if is_root:
-            fd = _write_memfd(buffers, total)
-            header[:] = (node_key(), os.getpid(), fd, total)
+        if is_root and available():
+            try:
+                fd = _write_memfd(buffers, total)
+                st = os.fstat(fd)
+                header[:] = (node_key(), os.getpid(), fd, total, st.st_dev, st.st_ino)
+            except OSError as exc:
+                log.warning("state broadcast over MPI: no memory file (%s)", exc)
         wait_request(comm.Ibcast(header, root=root), watch, "a node-local state broadcast")
-        ok = np.ones(1, dtype=np.int64)
-        if not is_root:
-            ok[0] = _read_from(header, buffers, total)
+        ok = np.zeros(1, dtype=np.int64)
+        if is_root:
+            ok[0] = 1 if fd >= 0 else 0
+        elif header[2] >= 0 and available():
+            try:
+                ok[0] = _read_from(header, buffers, total)
+            except OSError as exc:
+                log.warning("state broadcast over MPI: the memory file could not be read "
+                            "(%s)", exc)
         wait_request(comm.Iallreduce(MPI.IN_PLACE, ok, op=MPI.MIN), watch,
                      "a node-local state broadcast's confirmation")
         return bool(ok[0])
@@ -92,7 +104,7 @@ def _write_memfd(buffers: Sequence[np.ndarray], total: int) -> int:
 def _read_from(header: np.ndarray, buffers: List[np.ndarray], total: int) -> int:
     """1 when this receiver read the root's file into ``buffers``, else 0 (with the reason
     logged at debug level: falling back is normal across nodes)."""
-    key, pid, fd, size = (int(x) for x in header)
+    key, pid, fd, size, dev, ino = (int(x) for x in header)
     if key != node_key():
         log.debug("state broadcast over MPI: the root is on another node")
         return 0
@@ -106,7 +118,10 @@ def _read_from(header: np.ndarray, buffers: List[np.ndarray], total: int) -> int
         log.debug("state broadcast over MPI: the root's memory file cannot be opened (%s)", exc)
         return 0
     try:
-        if os.fstat(own).st_size != total:
+        st = os.fstat(own)
+        if (st.st_dev, st.st_ino) != (dev, ino) or st.st_size != total:
+            # another file than the root's (its pid reused, another node's numbers)
+            log.debug("state broadcast over MPI: the file opened is not the root's")
             return 0
         offset = 0
         for buf in buffers:

@@ -507,7 +507,8 @@ def _node_broadcast(tensors: Sequence[torch.Tensor], root: int, comm: MPI.Intrac
                     watch) -> bool:
     """``tensors`` through ``nodecast`` as raw bytes; False (on every rank) where it does
     not apply. A tensor that is not contiguous in host memory goes through a host copy."""
-    if not nodecast.available() or sum(t.nbytes for t in tensors) < nodecast.MIN_BYTES:
+    # The same on every rank (sizes only): whether to try is never a rank's own choice.
+    if sum(t.nbytes for t in tensors) < nodecast.MIN_BYTES:
         return False
     hosts = [t if t.is_cpu and t.is_contiguous() else t.detach().cpu().contiguous()
              for t in tensors]

@@ -6,12 +6,15 @@
   the average of all, ``v <- (1 - alpha) v + alpha mean(v)``, then applies its own local
   gradient. The models' allreduce starts before forward and runs under the whole step.
 * ``local-sgd`` (model averaging every ``period`` steps): replicas train on their own
-  gradients and are averaged (``alpha`` = 1) after every ``period``-th step.
+  gradients and take the plain average of all after the update of every ``period``-th
+  step (then they are one again).
 
 The strategies that do not average gradients leave the step's control values (loss, timings,
 stop votes) without the gradient buckets to ride in: they travel in a small reduction of their
 own. On monitored steps the gradients are averaged all the same, so the noise-scale statistics
-mean what they mean under S-SGD. A pure value type; ``DistributedOptimizer`` applies it."""
+can be measured; under SMA the replicas then sit at slightly different parameters, which adds
+their drift to the measured spread (the noise scale reads high). The evaluated, saved and
+final model is rank 0's replica. A pure value type; ``DistributedOptimizer`` applies it."""
 
 from __future__ import annotations
 
@@ -53,13 +56,16 @@ class Strategy:
         return self.name == "ssgd"
 
     def model_alpha(self, step: int) -> Optional[float]:
-        """The pull towards the models' average before the update of step ``step`` (0-based
-        count of steps done), or None when this step averages no models."""
+        """SMA's pull towards the models' average before the update of step ``step`` (0-based
+        count of steps done), or None when this step averages no models before its update."""
         if self.name == "sma":
             return float(self.sma_alpha)
-        if self.name == "local-sgd" and (step + 1) % self.period == 0:
-            return 1.0
         return None
+
+    def averages_after(self, step: int) -> bool:
+        """Local SGD: whether the models are averaged after the update of step ``step``
+        (then the replicas are one again)."""
+        return self.name == "local-sgd" and (step + 1) % self.period == 0
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,9 @@ def test_a_receiver_that_cannot_read_declines():
     fd = nodecast._write_memfd([src], src.nbytes)
     try:
         out = np.zeros_like(src)
-        header = np.array([nodecast.node_key(), os.getpid(), fd, src.nbytes])
+        st = os.fstat(fd)
+        header = np.array([nodecast.node_key(), os.getpid(), fd, src.nbytes, st.st_dev,
+                           st.st_ino])
         assert nodecast._read_from(header, [out], src.nbytes) == 1 and (out == src).all()
         other_node = header.copy()
         other_node[0] += 1
@@ -22,6 +24,9 @@ def test_a_receiver_that_cannot_read_declines():
         gone[2] = 9999  # no such descriptor
         assert nodecast._read_from(gone, [np.zeros_like(src)], src.nbytes) == 0
         assert nodecast._read_from(header, [np.zeros(10, np.int64)], 80) == 0  # wrong size
+        other_file = header.copy()
+        other_file[5] += 1  # the descriptor now names another file than the root's
+        assert nodecast._read_from(other_file, [np.zeros_like(src)], src.nbytes) == 0
     finally:
         os.close(fd)
 

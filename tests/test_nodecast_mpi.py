@@ -50,3 +50,24 @@ def test_mpi_transport_declines_on_every_rank(w, monkeypatch):
     bufs = [np.full(1 << 21, w.rank, dtype=np.uint8)]
     assert nodecast.broadcast_buffers(w.comm, bufs, 0, w.watch) is False
     assert (bufs[0] == w.rank).all()  # untouched: the caller goes over MPI
+
+
+def test_ranks_configured_differently_all_fall_back_together(w, monkeypatch):
+    """One rank says mpi, the others auto: no rank goes its own way (the choice is folded
+    into the confirmation), the broadcast still arrives over MPI."""
+    monkeypatch.setenv("HPCADAPT_STATE_TRANSPORT", "mpi" if w.rank == 1 else "auto")
+    mine = [torch.full((600_000,), float(w.rank))]
+    _pack_broadcast(mine, 0, w.comm, 1 << 20, w.watch)
+    assert torch.equal(mine[0], torch.zeros(600_000))
+
+
+def test_a_root_that_cannot_make_the_file_sends_over_mpi(w, monkeypatch):
+    if w.rank == 0:
+        def refuse(*a):
+            raise OSError(24, "Too many open files")
+        monkeypatch.setattr(nodecast, "_write_memfd", refuse)
+    bufs = [np.full(1 << 21, w.rank, dtype=np.uint8)]
+    assert nodecast.broadcast_buffers(w.comm, bufs, 0, w.watch) is False
+    mine = [torch.full((600_000,), float(w.rank))]
+    _pack_broadcast(mine, 0, w.comm, 1 << 20, w.watch)
+    assert torch.equal(mine[0], torch.zeros(600_000))

@@ -17,7 +17,9 @@ def test_which_steps_average_what():
     sma = Strategy("sma", sma_alpha=0.25)
     assert not sma.averages_gradients and all(sma.model_alpha(s) == 0.25 for s in range(5))
     local = Strategy("local-sgd", period=4)
-    assert [local.model_alpha(s) for s in range(8)] == [None, None, None, 1.0] * 2
+    assert all(local.model_alpha(s) is None for s in range(8))
+    assert [local.averages_after(s) for s in range(8)] == [False, False, False, True] * 2
+    assert not sma.averages_after(3) and not Strategy("ssgd").averages_after(3)
 
 
 @pytest.mark.parametrize("kwargs,needle", [

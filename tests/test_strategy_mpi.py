@@ -61,18 +61,23 @@ def test_sma_pulls_each_replica_alpha_of_the_way_to_the_average(w):
     assert np.allclose(stats.extras, [n * (n + 1) / 2, n * (n + 1)])
 
 
-def test_local_sgd_averages_only_every_period_steps(w):
-    model, opt = _setup(w, Strategy("local-sgd", period=3))
-    start, start_all = _all(w, model)
-    for step in range(2):
+def test_local_sgd_averages_after_every_period_th_update(w):
+    """As the job runs it: local updates, and after the update of every third step the
+    plain average, after which the replicas are one (lr > 0: their updates differ)."""
+    strategy = Strategy("local-sgd", period=3)
+    model, opt = _setup(w, strategy, lr=0.1)
+    _, start_all = _all(w, model)
+    for step in range(3):
         _step(w, model, opt, step)
-    unchanged, everyone = _all(w, model)
-    assert np.array_equal(unchanged, start)          # lr 0, no averaging yet
-    assert not np.allclose(everyone[0], everyone[1])
-    _step(w, model, opt, 2)                          # the third step averages
+        if step < 2:
+            _, everyone = _all(w, model)
+            assert not np.allclose(everyone[0], everyone[1])  # apart between averages
+        if strategy.averages_after(step):
+            before, before_all = _all(w, model)
+            opt.average_models()
     _, everyone = _all(w, model)
-    assert np.allclose(everyone, everyone[0], rtol=0, atol=1e-7)
-    assert np.allclose(everyone[0], start_all.mean(axis=0), rtol=1e-6, atol=1e-7)
+    assert step == 2 and np.array_equal(everyone, np.broadcast_to(everyone[0], everyone.shape))
+    assert np.allclose(everyone[0], before_all.mean(axis=0), rtol=1e-6, atol=1e-7)
 
 
 def test_local_gradients_stay_local_unless_the_step_is_monitored(w):
