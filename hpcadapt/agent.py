@@ -36,6 +36,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 COORDINATOR_FILE = "coordinator"
 EXIT_FILE = "exit-code"
 AGENT_FILE = "agent"
+STOPPING_FILE = "stopping"
 
 
 def record_coordinator() -> None:
@@ -54,8 +55,15 @@ def record_exit_code(code: int) -> None:
     _write(EXIT_FILE, str(int(code)))
 
 
-def _write(name: str, text: str) -> None:
+def stopping() -> bool:
+    """Whether the agent was asked to stop the job (a worker's death is then not recovered
+    from: the job is ending)."""
     folder = config.agent_dir()
+    return folder is not None and os.path.exists(os.path.join(folder, STOPPING_FILE))
+
+
+def _write(name: str, text: str, folder: Optional[str] = None) -> None:
+    folder = folder or config.agent_dir()
     if folder is None:
         return
     # A private folder of the agent's: a temporary file created exclusively there, renamed.
@@ -92,19 +100,30 @@ def run(command: List[str]) -> int:
     with open(os.path.join(folder, AGENT_FILE), "x", encoding="ascii") as f:
         f.write(str(os.getpid()))
     env = {**os.environ, config.AGENT_DIR_VARIABLE: folder}
-    first = subprocess.Popen(command, env=env)
+    first_code: Optional[int] = None
+    pending: List[int] = []   # signals that came before the first launch started
 
     def forward(signum, _frame) -> None:
-        target = _read_int(folder, COORDINATOR_FILE) or first.pid
-        for pid in {target, first.pid}:
+        # A stop asked of the agent: the job ends, it does not recover (job.py reads this).
+        _write(STOPPING_FILE, str(signum), folder)
+        if first is None:
+            pending.append(signum)
+            return
+        targets = {_read_int(folder, COORDINATOR_FILE)}
+        if first_code is None:
+            targets.add(first.pid)  # not reaped yet: the pid is still the launch's
+        for pid in targets - {None}:
             try:
                 os.kill(pid, signum)
-            except ProcessLookupError:
+            except OSError:  # gone, or (reused by now) not ours: nothing to stop there
                 pass
 
+    first = None
     for s in FORWARDED:
-        signal.signal(s, forward)
-    first_code: Optional[int] = None
+        signal.signal(s, forward)  # before the launch: no window where a signal kills us
+    first = subprocess.Popen(command, env=env)
+    for signum in pending:
+        forward(signum, None)
     try:
         while True:
             try:

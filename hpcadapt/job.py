@@ -900,6 +900,11 @@ class Job:
         st = self.state
         if name == st.topology:
             return
+        if self.optimizer._plane.plane == "nccl":
+            if self.world.rank == 0:
+                log.warning("allreduce topology %s not applied (%s): the gradients travel "
+                            "over NCCL, which routes them itself", name, reason)
+            return
         old, version = st.topology, self.world.cluster_version
         st.topology = name
         self.world.bump_version()
@@ -1233,10 +1238,14 @@ class Job:
     def _coordinator_may_move(self) -> bool:
         """Rank 0's role can move where an agent waits for every worker: under
         ``hpcadapt.agent`` with the local allocator (a companion Slurm job's workers are
-        not the agent's descendants, and the job step ends with rank 0's launch)."""
+        not the agent's descendants, and the job step ends with rank 0's launch), unless
+        the agent was asked to stop the job (a coordinator that a stop signal ended
+        without --checkpoint is not replaced). The same on every survivor: one agent, one
+        environment, one allocator kind."""
         from .allocator import LocalAllocator
 
-        return config.agent_dir() is not None and isinstance(self.allocator, LocalAllocator)
+        return (config.agent_dir() is not None and not agent.stopping()
+                and isinstance(self.allocator, LocalAllocator))
 
     def _take_coordinator_role(self) -> None:
         """The lowest survivor after rank 0 died: it writes the metrics file from here on,

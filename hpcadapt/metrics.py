@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Dict, List, Optional
@@ -86,6 +88,9 @@ def _clean(value: Any) -> Any:
     return value
 
 
+log = logging.getLogger(__name__)
+
+
 class MetricsSink:
     """Appends one JSON object per record to a file; a sink with no path drops records."""
 
@@ -113,22 +118,25 @@ class MetricsSink:
             return sink
         first = None
         try:
-            with open(path, "rb+") as f:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "rb+") as f:
                 data = f.read()
                 keep = data.rfind(b"\n") + 1
                 if keep < len(data):
                     f.truncate(keep)
                 head = data.split(b"\n", 1)[0]
+                sink._file = open(os.dup(f.fileno()), "a", encoding="utf-8", buffering=1)
             first = json.loads(head) if head else None
-        except FileNotFoundError:
-            pass
+        except OSError as exc:
+            log.error("the metrics file %s cannot be taken over (%s): no more records", path,
+                      exc)
+            return sink
         except ValueError:
             first = None
         if isinstance(first, dict) and isinstance(first.get("unix_time"), (int, float)) \
                 and isinstance(first.get("time_s"), (int, float)):
             started = first["unix_time"] - first["time_s"]
             sink._t0 = time.perf_counter() - (time.time() - started)
-        sink._file = open(path, "a", encoding="utf-8", buffering=1)
         return sink
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ class TopologyAuto(Policy):
     def __init__(self, *, threshold: float = 0.8, window: int = 20):
         self.threshold = threshold
         self.window = window
-        self.reference: Optional[List[float]] = None  # per-rank mean wait, first window
+        self.reference: Optional[List[float]] = None  # per-rank median wait, first window
         self.current: List[List[float]] = []           # this window's per-rank waits
         self.tried: List[str] = []                      # topologies since the last layout
 
@@ -86,8 +86,12 @@ class TopologyAuto(Policy):
                      if r > 0 and m > r / self.threshold)
         if 2 * slower <= len(means):
             return None
-        options = [t for t in self._candidates(snap) if t != snap.topology]
-        untried = [t for t in options if t not in self.tried] or options
+        untried = [t for t in self._candidates(snap)
+                   if t != snap.topology and t not in self.tried]
+        if not untried:
+            # every candidate was tried since the last layout decision: stay (no flapping)
+            self._restart()
+            return None
         choice = untried[0]
         self.tried.append(choice)
         self._restart()

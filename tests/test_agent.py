@@ -69,13 +69,14 @@ def test_stop_signals_go_to_the_recorded_coordinator(tmp_path):
         open({str(ready)!r}, "w").close()
         while not seen:
             time.sleep(0.01)
-        open({str(got)!r}, "w").close()
+        with open({str(got)!r}, "w") as f:
+            f.write(str(agent.stopping()))  # a stop asked of the job: no recovery then
         agent.record_exit_code(75)
     """)
     proc = _agent(sys.executable, "-c", code)
     _wait_file(ready, proc)
     proc.send_signal(signal.SIGUSR1)
-    assert proc.wait(timeout=60) == 75 and got.exists()
+    assert proc.wait(timeout=60) == 75 and got.read_text() == "True"
 
 
 def test_bad_commands_are_refused_in_one_line():
@@ -100,3 +101,14 @@ def test_a_new_coordinator_takes_over_the_metrics_file(tmp_path):
     assert [r["event"] for r in rows] == ["step", "step", "failure"]
     # the time axis goes on from the first record's start: about 12 s in, not 0
     assert 11.0 < rows[-1]["time_s"] < 60.0, rows[-1]
+
+
+def test_a_metrics_file_that_is_a_symlink_is_not_taken_over(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("keep\n")
+    link = tmp_path / "m.jsonl"
+    link.symlink_to(target)
+    sink = MetricsSink.take_over(str(link))
+    sink.write({"event": "failure"})  # dropped: no file
+    sink.close()
+    assert target.read_text() == "keep\n"
