@@ -878,6 +878,8 @@ class Job:
             self._apply_momentum(plan.momentum)
         if plan.strategy is not None:
             self._switch_strategy(Strategy.from_dict(plan.strategy), plan.reason or "policy")
+            if self._recovered:
+                return  # a peer died in the switch: the rest of the plan was for that world
         if plan.topology is not None:
             self.switch_topology(plan.topology, plan.reason or "policy")
         if plan.world_size is not None and plan.world_size != self.world.size:
@@ -1576,6 +1578,10 @@ class Job:
                 log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
                             "the run had switched; a policy may switch again)",
                             self.state.strategy.describe(), self._initial_strategy.describe())
+            if self.state.topology != self.options.topology:
+                log.warning("resumed with the checkpoint's allreduce topology %s (the flags "
+                            "say %s: the run had switched)", self.state.topology,
+                            self.options.topology)
         return True
 
     def save_checkpoint(self, path: str) -> None:
