@@ -845,18 +845,19 @@ class Job:
                     lr=plan.lr or (plan.ramp[3] if plan.ramp else snap.lr)))
                 log.info("decision at step %d by %s: %s (%s)", snap.step, d["policy"],
                          d["changes"], d["reason"])
-        self._apply_plan(plan)
         if self.world.rank == 0:
             self.engine.told(decisions, snap)
         # The policies' state after a decision goes to every rank (one small broadcast per
-        # decision): a worker that becomes the coordinator (rank 0 died) then holds it as of
-        # the last decision, so no decision already applied is taken again.
+        # decision, in the world that decided, before a resize changes it): a worker that
+        # becomes the coordinator (rank 0 died) then holds it as of the last decision, so no
+        # decision already applied is taken again.
         from .parallel import broadcast_object_state
 
         state = broadcast_object_state({"policies": self.engine.state_dict()}
                                        if self.world.rank == 0 else None, world=self.world)
         if self.world.rank != 0:
             self.engine.load_state_dict(state["policies"])
+        self._apply_plan(plan)
 
     def _apply_plan(self, plan: Plan) -> None:
         """The hyper-parameters change together; then a resize, if asked for."""
