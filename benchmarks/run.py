@@ -30,6 +30,8 @@ BENCHMARKS = {
                                      "and to released nodes idle; vs resubmitting"),
     "topology": ("driver_topology", "allreduce topologies side by side: flat, hierarchical, "
                                     "ring, tree on 4 ranks in 2 emulated nodes"),
+    "strategies": ("driver_strategies", "time to accuracy on 4 ranks: ssgd, sma, local-sgd, "
+                                        "sync-switch, straggler removal; a rank slowed 2x"),
     "gpu": ("driver_gpu", "one GPU: hpcadapt vs DDP over NCCL, monitoring overhead, NCCL vs "
                           "host-staged allreduce bandwidth"),
 }

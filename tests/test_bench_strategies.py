@@ -1,0 +1,36 @@
+"""`benchmarks/run.py strategies --quick`: the smoke run (2 ranks, 2 epochs) ends, prints its
+table and writes JSON with the straggler ratio's key and a row for every run it makes
+(ssgd without a slow rank, every strategy with the compute slow-down). Nothing is timed."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+RUNS = ["ssgd/none", "ssgd/compute", "sma/compute", "local-sgd/compute",
+        "sync-switch/compute", "straggler/compute"]
+
+
+def test_quick_run_writes_every_run_and_the_ratio(tmp_path):
+    out = tmp_path / "strategies.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "strategies",
+                           "--quick", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "strategies"
+    assert "best_adaptive_vs_ssgd_time_to_target_straggler" in result["ratios"]
+    assert sorted(result["rows"]) == sorted(RUNS)
+    for label, row in result["rows"].items():
+        # every run trained to the end: two epochs, a final accuracy and a step count
+        assert row["final_accuracy"] is not None and 0 <= row["final_accuracy"] <= 1, label
+        assert row["steps"] and row["steps"] > 0, (label, row)
+        assert len(row["ended"]) == 1, (label, row)
+    assert result["target_accuracy"] == pytest.approx(
+        result["target_share"] * result["rows"]["ssgd/none"]["final_accuracy"])
+    assert "target accuracy" in proc.stdout and "straggler/compute" in proc.stdout
