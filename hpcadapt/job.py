@@ -289,6 +289,8 @@ class Job:
         self._step_open = False
         self._loss_sum = 0.0
         self._t_step = 0.0
+        self._slept = 0.0        # --slow-compute's sleep in this step
+        self._own_compute = 0.0  # the last step's compute without that sleep
         self._walk: Optional[WalkKey] = None
         self._walk_cursor = -1
         self._stop_requested = False
@@ -582,7 +584,9 @@ class Job:
         opt.set_local_weight(part.weight)
         opt.set_extra_slots(self._extra_slots())
         opt.zero_grad()
-        self._slow_down(o.slow_compute, self._prev_local[1])  # --slow-compute: before forward
+        # --slow-compute: before forward, (F - 1) x the last step's own compute (the sleep
+        # left out of it, or each step's sleep would feed the next one's)
+        self._slept = self._slow_down(o.slow_compute, self._own_compute)
         opt.set_strategy(st.strategy)
         opt.set_topology(st.topology, o.ranks_per_node)
         opt.begin_step(st.step)
@@ -691,18 +695,21 @@ class Job:
                 return
         t3 = time.perf_counter()
         self._prev_local = (t3 - self._t_step, t1 - self._t_step, t2 - t1)
+        self._own_compute = max(0.0, t1 - self._t_step - self._slept)
         self._step_time = t3 - self._t_step
         self.world.watch.note_step(self._step_time)
         self._last_count = self._part.global_count
         self._step_open = False
 
-    def _slow_down(self, factor: float, seconds: float) -> None:
+    def _slow_down(self, factor: float, seconds: float) -> float:
         """--slow-rank R with --slow-compute/--slow-comm F: rank R takes F times as long for
         its compute (a sleep before forward, as long as (F - 1) x the last step's compute)
         or its communication (after the step's exchange), so that strategies can be
         compared against a straggler or a slow link on one machine (tests, benchmarks)."""
         if factor > 1.0 and self.options.slow_rank == self.world.rank and seconds > 0:
             time.sleep((factor - 1.0) * seconds)
+            return (factor - 1.0) * seconds
+        return 0.0
 
     # -- control slots: loss, timings, stop votes ride in the last gradient bucket ----------
     def _slot_ranks(self) -> int:
