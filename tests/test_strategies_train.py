@@ -65,10 +65,14 @@ def test_model_averaging_goes_on_across_a_grow_and_a_shrink(tmp_path):
     run = Run(tmp_path, 2, ["--strategy", "sma", "--max-workers", "3", "--policy",
                             "resize-schedule", "--resize-schedule-steps", "3:3,60:2",
                             "--resize-schedule-hold", "30"])
-    run.wait_for("the shrink back to 2 and steps after it", lambda: [
-        s for s in run.steps() if s["world_size"] == 2 and any(
-            r.get("event") == "resize" and r["ok"] and r["new_size"] == 2
-            and s["step"] > r["step"] + 5 for r in run.rows())])
+    def shrunk_and_trained_on():
+        rows = run.rows()  # once per poll: the file grows by thousands of steps
+        shrinks = [r["step"] for r in rows if r.get("event") == "resize" and r["ok"]
+                   and r["new_size"] == 2]
+        return bool(shrinks) and any(r.get("event") == "step" and r["world_size"] == 2
+                                     and r["step"] > shrinks[0] + 5 for r in rows)
+
+    run.wait_for("the shrink back to 2 and steps after it", shrunk_and_trained_on)
     resizes = [(r["old_size"], r["new_size"]) for r in run.rows()
                if r.get("event") == "resize" and r["ok"]]
     assert resizes[:2] == [(2, 3), (3, 2)], resizes
