@@ -1277,8 +1277,10 @@ class Job:
     def _survey_survivors(self):
         """(the lowest rank whose state is furthest on, whether every survivor's state is
         the same): one bounded allgather of each rank's step, a fingerprint of the rest
-        (epoch, data cursor, hyper-parameters, strategy, topology) and cluster version. Equal steps mean equal weights (every rank
-        applied the same updates), so equal fingerprints need no state broadcast."""
+        (epoch, data cursor, hyper-parameters, strategy, topology) and cluster version. Equal
+        steps mean equal weights under S-SGD (every rank applied the same updates; under
+        model averaging the replicas differ by design), so equal fingerprints need no state
+        broadcast."""
         st = self.state
         plain = json.dumps([st.epoch, st.sampler.cursor, asdict(st.hyper), st.applied_lr,
                             st.strategy.to_dict(), st.topology], sort_keys=True, default=str)

@@ -110,7 +110,9 @@ class DistributedOptimizer:
         self.strategy = Strategy()
         self._sync_grads = True       # this step averages gradients (the strategy, monitors)
         self._model_alpha: Optional[float] = None  # this step's pull towards the average
-        self._model_avg: Optional[Tuple[List[Bucket], List[List[torch.Tensor]], Handle]] = None
+        # this step's models' average in flight: (buckets, their tensors, handles)
+        self._model_avg: Optional[Tuple[List[Bucket], List[List[torch.Tensor]],
+                                        List[Handle]]] = None
         self._control: Optional[MPICommunicator] = None
         self._version = -1
         self._buckets: List[_BucketState] = []
