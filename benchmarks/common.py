@@ -6,7 +6,7 @@ import json
 import os
 import socket
 import statistics
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 
 def free_port() -> int:
@@ -50,3 +50,26 @@ def single_thread() -> None:
 
     threads = int(os.environ.get("HPCADAPT_BENCH_THREADS", "1"))
     torch.set_num_threads(threads)
+
+
+def read_jsonl(path: str) -> List[dict]:
+    """The records of a metrics file (none when it does not exist yet)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def epochs_with_time(rows: List[dict]) -> List[dict]:
+    """Epoch rows with ``wall_s``: seconds since the run's first step began."""
+    steps = [r for r in rows if r["event"] == "step"]
+    t0 = steps[0]["time_s"] - steps[0]["step_time_s"] if steps else 0.0
+    return [dict(r, wall_s=r["time_s"] - t0) for r in rows if r["event"] == "epoch"]
+
+
+def time_to_target(epochs: List[dict], target: float, key: str = "wall_s") -> Optional[float]:
+    """``key`` (wall_s, step, epoch) of the first epoch whose accuracy reaches ``target``."""
+    for r in epochs:
+        if r["test_accuracy"] >= target:
+            return r[key]
+    return None

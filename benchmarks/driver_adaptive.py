@@ -20,13 +20,13 @@ Wall time counts from the run's first step, so process start-up and data loading
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from typing import Dict, List, Optional
 
+from common import epochs_with_time, read_jsonl, time_to_target
 from launch import run_mpi
 
 SMALL_BATCH, SMALL_LR = 32, 0.02
@@ -101,24 +101,10 @@ def runs(epochs: int) -> Dict[str, Dict]:
     }
 
 
-def read(path: str) -> List[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
-def epochs_with_time(rows: List[dict]) -> List[dict]:
-    """Epoch rows with ``wall_s``: seconds since the run's first step began."""
-    steps = [r for r in rows if r["event"] == "step"]
-    t0 = steps[0]["time_s"] - steps[0]["step_time_s"] if steps else 0.0
-    return [dict(r, wall_s=r["time_s"] - t0) for r in rows if r["event"] == "epoch"]
 
 
-def time_to_target(epochs: List[dict], target: float, key: str = "wall_s") -> Optional[float]:
-    """``key`` (wall_s, step, epoch) of the first epoch whose accuracy reaches ``target``."""
-    for r in epochs:
-        if r["test_accuracy"] >= target:
-            return r[key]
-    return None
 
 
 def _plus_one(epoch: Optional[int]) -> Optional[int]:
@@ -193,13 +179,13 @@ def run(name: str, extra: List[str]) -> dict:
         for label in order:
             path = os.path.join(tmp, f"{label}-{rep}.jsonl")
             if args.from_dir:
-                metrics[label].append(read(path))
+                metrics[label].append(read_jsonl(path))
                 continue
             run_mpi(args.ranks, ["-m", "hpcadapt.train", "--model", "cnn", "--dataset", "mnist1d",
                                  "--samples", str(args.samples), "--epochs", str(args.epochs),
                                  "--seed", str(args.seed), "--threads", "1", "--no-progress",
                                  "--metrics-file", path] + specs[label]["flags"])
-            metrics[label].append(read(path))
+            metrics[label].append(read_jsonl(path))
     bench_s = time.perf_counter() - started
     epochs = {k: [epochs_with_time(r) for r in v] for k, v in metrics.items()}
     # Adaptive runs decide on measured times, so their repeats may differ: medians.

@@ -29,7 +29,6 @@ rank killed) after the summary; the ending is recorded per run."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -39,6 +38,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from common import epochs_with_time, read_jsonl, time_to_target
 from launch import ROOT, env, mpiexec
 
 STRATEGIES = ("ssgd", "sma", "local-sgd", "sync-switch", "straggler")
@@ -73,25 +73,10 @@ def condition_flags(name: str, slow_rank: int, compute_flag: float, comm_flag: f
     raise ValueError(f"unknown condition {name!r}; choose from {', '.join(CONDITIONS)}")
 
 
-def read(path: str) -> List[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
-def epochs_with_time(rows: List[dict]) -> List[dict]:
-    """Epoch rows with ``wall_s``: seconds since the run's first step began."""
-    steps = [r for r in rows if r["event"] == "step"]
-    t0 = steps[0]["time_s"] - steps[0]["step_time_s"] if steps else 0.0
-    return [dict(r, wall_s=r["time_s"] - t0) for r in rows if r["event"] == "epoch"]
 
 
-def time_to_target(epochs: List[dict], target: float, key: str = "wall_s") -> Optional[float]:
-    for r in epochs:
-        if r["test_accuracy"] >= target:
-            return r[key]
-    return None
 
 
 def measured_compute_factor(rows: List[dict], slow_rank: int, ranks: int) -> Optional[float]:
@@ -217,7 +202,7 @@ def run(name: str, extra: List[str]) -> dict:
             if ending["ended"] != "exit":
                 print(f"   {ending['ended']} after {ending['launch_s']:.0f} s "
                       f"(output: {stem}.log)", flush=True)
-            metrics[label].append(read(stem + ".jsonl"))
+            metrics[label].append(read_jsonl(stem + ".jsonl"))
             endings[label].append(ending)
     bench_s = time.perf_counter() - started
 

@@ -6,7 +6,6 @@ gradients whatever the strategy."""
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
 
 import hpcadapt
 from hpcadapt.parallel import DistributedOptimizer
