@@ -147,6 +147,11 @@ class World:
         next."""
         ABANDONED.extend([self._comm, self.notices])
         self._abandoned = True
+        # The dead are known and agreed on: until the next world has formed, waits watch the
+        # living only (a dead pid, or a notice left on the old notice channel, would end the
+        # new world's start at once: seen when rank 0 died and a survivor came late).
+        self.watch.local_peers = [(r, p) for r, p in self.watch.local_peers if pid_alive(p)]
+        self.watch.sources = [s for s in self.watch.sources if s != self._notice]
 
     def free(self) -> None:
         if self._comm is not None and self._own:
