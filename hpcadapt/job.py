@@ -910,7 +910,7 @@ class Job:
         st = self.state
         if name == st.topology:
             return
-        if self.optimizer._plane.plane == "nccl":
+        if self.optimizer.data_plane == "nccl":
             if self.world.rank == 0:
                 log.warning("allreduce topology %s not applied (%s): the gradients travel "
                             "over NCCL, which routes them itself", name, reason)
@@ -1260,10 +1260,10 @@ class Job:
     def _take_coordinator_role(self) -> None:
         """The lowest survivor after rank 0 died: it writes the metrics file from here on,
         decides with the policies, saves checkpoints, starts workers (its allocator) and
-        prints the summary; the agent forwards stop signals to it. What is lost: the
-        policies' own state since this worker joined (cooldowns, counters: rank 0 alone
-        held it); every decision already applied (batch, rate, size) is in the training
-        state that all ranks hold."""
+        prints the summary; the agent forwards stop signals to it. The policies' state
+        reached every rank with the last applied decision; what is lost are the counters
+        that moved since (cooldowns, probes: rank 0 alone held them). Every decision already
+        applied (batch, rate, size) is in the training state that all ranks hold."""
         self.sink.close()
         self.sink = MetricsSink.take_over(self.options.metrics_file)
         self.joining = False  # a joiner no longer: it owns the checkpoint and the end
@@ -1271,8 +1271,8 @@ class Job:
             self.elastic.warm_spares = self.options.warm_spares
         agent.record_coordinator()
         log.warning("rank 0 died: this worker (pid %d) is the coordinator now (metrics "
-                    "file, decisions, checkpoint, allocator); the policies' own state "
-                    "since it joined is lost", os.getpid())
+                    "file, decisions, checkpoint, allocator); the policies' counters "
+                    "since the last decision are lost", os.getpid())
 
     def _survey_survivors(self):
         """(the lowest rank whose state is furthest on, whether every survivor's state is
@@ -1499,10 +1499,12 @@ class Job:
 
     def _node_count(self) -> int:
         """Nodes the world spans: emulated ones (--ranks-per-node) or real ones."""
+        from .topology import emulated_layout, layout_from_keys
+
         k = self.options.ranks_per_node
-        if k is not None:
-            return -(-self.world.size // k)
-        return len({key for _, key, _ in self.world.peers})
+        layout = emulated_layout(self.world.size, k) if k is not None else \
+            layout_from_keys([key for _, key, _ in self.world.peers])
+        return len(layout.nodes)
 
     def snapshot(self):
         """What rank 0 knows at this step boundary, for the policies."""

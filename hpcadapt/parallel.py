@@ -203,6 +203,11 @@ class DistributedOptimizer:
     def topology(self) -> str:
         return self._plane.topology
 
+    @property
+    def data_plane(self) -> str:
+        """The plane the gradients travel on: ``mpi``, ``host-staged`` or ``nccl``."""
+        return self._plane.plane
+
     def set_strategy(self, strategy: Strategy) -> None:
         """The synchronisation strategy from the next step on (``hpcadapt.strategy``)."""
         self.strategy = strategy
