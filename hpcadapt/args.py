@@ -91,11 +91,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="ssgd: average gradients every step (replicas identical); sma: pull "
                         "each replica towards the models' average every step, then apply its "
                         "own gradient (KungFu's SMA); local-sgd: average the models every "
-                        "--local-sgd-period steps")
+                        "--local-sgd-period steps; pair-avg: average with one random peer's "
+                        "model every step, fetched without the peer stopping (KungFu); "
+                        "bounded-delay: rank 0 aggregates the others' updates asynchronously "
+                        "and drops those older than --max-delay (MLFabric)")
     y.add_argument("--sma-alpha", type=_fraction_open, default=0.1,
                    help="sma: share of the average pulled in each step, in (0, 1]")
     y.add_argument("--local-sgd-period", type=positive_int, default=8,
                    help="local-sgd: steps between model averages (1 or more)")
+    y.add_argument("--max-delay", type=_non_negative_int, default=4, metavar="D",
+                   help="bounded-delay: an update computed on a model more than D versions "
+                        "older than the one it would be applied to is dropped (its samples "
+                        "are handed out again); a worker pulls the model when its own delay "
+                        "reaches D")
+    y.add_argument("--async-round-steps", type=positive_int, default=50, metavar="K",
+                   help="bounded-delay: global batches per asynchronous round; policies, "
+                        "resizes, checkpoints and stop votes run between rounds")
     y.add_argument("--topology", choices=[t.value for t in Topology], default="flat",
                    help="how the gradients' allreduce travels: flat (MPI's own), "
                         "hierarchical (within each node, then one leader per node), ring or "

@@ -70,6 +70,8 @@ class JobOptions:
     strategy: str = "ssgd"
     sma_alpha: float = 0.1
     local_sgd_period: int = 8
+    max_delay: int = 4
+    async_round_steps: int = 50
     topology: str = "flat"
     ranks_per_node: Optional[int] = None
     slow_rank: Optional[int] = None
@@ -228,7 +230,8 @@ class Job:
         o = self.options
         self._join_dir = config.take_join_dir()
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
-        self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period)
+        self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period,
+                                           o.max_delay, o.async_round_steps)
         from .topology import parse_ranks_per_node, parse_topology
 
         parse_topology(o.topology)
@@ -398,6 +401,15 @@ class Job:
                 f"the global batch size {loader.batch_size} is below the {self.world.size} "
                 f"workers: each needs at least one sample per step; use a batch size of at "
                 f"least {self.world.size}")
+        strategy = self._initial_strategy
+        if strategy.min_workers > max(self.world.size, o.initial_workers or 0) \
+                and not self.joining:
+            what = ("a peer to average with" if strategy.pairs_models
+                    else "an aggregator (rank 0) and a worker")
+            raise ConfigurationError(
+                f"--strategy {strategy.name} needs at least {strategy.min_workers} workers "
+                f"({what}); {self.world.size} is running: start more (mpiexec -n 2 or "
+                f"--initial-workers 2) or use --strategy ssgd")
         self.extra = UserState(extra)
         self.extra.check_serialisable()
         self.identity = dict(identity or {})

@@ -8,6 +8,13 @@
 * ``local-sgd`` (model averaging every ``period`` steps): replicas train on their own
   gradients and take the plain average of all after the update of every ``period``-th
   step (then they are one again).
+* ``pair-avg`` (KungFu's pair averaging): every step each replica fetches the model of one
+  random other replica without that peer stopping, takes the mean of the two, then applies
+  its own gradient.
+* ``bounded-delay`` (MLFabric): rank 0 aggregates the updates the other ranks send without
+  waiting for each other, in rounds of ``round_steps`` global batches; an update computed
+  on a model more than ``max_delay`` versions old is dropped and its samples handed out
+  again (``hpcadapt.bounded``).
 
 The strategies that do not average gradients leave the step's control values (loss, timings,
 stop votes) without the gradient buckets to ride in: they travel in a small reduction of their
@@ -26,17 +33,21 @@ from .errors import ConfigurationError
 
 __all__ = ["Strategy", "STRATEGIES"]
 
-STRATEGIES = ("ssgd", "sma", "local-sgd")
+STRATEGIES = ("ssgd", "sma", "local-sgd", "pair-avg", "bounded-delay")
 
 
 @dataclass(frozen=True)
 class Strategy:
     """A strategy and its settings: ``sma_alpha`` in (0, 1] (SMA's pull towards the
-    average), ``period`` >= 1 (local SGD's steps between averages)."""
+    average), ``period`` >= 1 (local SGD's steps between averages), ``max_delay`` >= 0 and
+    ``round_steps`` >= 1 (bounded-delay's oldest model version an update may be computed
+    on, counted in versions, and global batches per asynchronous round)."""
 
     name: str = "ssgd"
     sma_alpha: float = 0.1
     period: int = 8
+    max_delay: int = 4
+    round_steps: int = 50
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -50,10 +61,33 @@ class Strategy:
         if not (isinstance(self.period, int) and self.period >= 1):
             raise ConfigurationError(f"--local-sgd-period {self.period!r}: give a whole "
                                      f"number of steps, 1 or more")
+        if not (isinstance(self.max_delay, int) and self.max_delay >= 0):
+            raise ConfigurationError(f"--max-delay {self.max_delay!r}: give a whole number of "
+                                     f"model versions, 0 or more (0: every update on the "
+                                     f"newest model)")
+        if not (isinstance(self.round_steps, int) and self.round_steps >= 1):
+            raise ConfigurationError(f"--async-round-steps {self.round_steps!r}: give a whole "
+                                     f"number of global batches, 1 or more")
 
     @property
     def averages_gradients(self) -> bool:
         return self.name == "ssgd"
+
+    @property
+    def pairs_models(self) -> bool:
+        """Pair averaging: each step mixes in one random peer's model."""
+        return self.name == "pair-avg"
+
+    @property
+    def asynchronous(self) -> bool:
+        """Bounded-delay aggregation: rounds of asynchronous updates instead of steps."""
+        return self.name == "bounded-delay"
+
+    @property
+    def min_workers(self) -> int:
+        """The smallest world the strategy makes sense in (pair averaging needs a peer;
+        bounded delay an aggregator and a worker)."""
+        return 2 if self.name in ("pair-avg", "bounded-delay") else 1
 
     def model_alpha(self, step: int) -> Optional[float]:
         """SMA's pull towards the models' average before the update of step ``step`` (0-based
@@ -74,7 +108,7 @@ class Strategy:
     def from_dict(cls, raw: Mapping[str, Any]) -> "Strategy":
         if not isinstance(raw, Mapping):
             raise ConfigurationError(f"a strategy must be an object, got {raw!r}")
-        unknown = set(raw) - {"name", "sma_alpha", "period"}
+        unknown = set(raw) - {"name", "sma_alpha", "period", "max_delay", "round_steps"}
         if unknown:
             raise ConfigurationError(f"unknown strategy settings {sorted(unknown)}")
         return cls(**dict(raw))
@@ -84,4 +118,7 @@ class Strategy:
             return f"sma (alpha {self.sma_alpha:g})"
         if self.name == "local-sgd":
             return f"local-sgd (every {self.period} steps)"
+        if self.name == "bounded-delay":
+            return (f"bounded-delay (max delay {self.max_delay}, rounds of "
+                    f"{self.round_steps} batches)")
         return "ssgd"
