@@ -304,6 +304,8 @@ class Job:
         self._epoch_logged = False
         self.exit_code = 0
         self._sample_file = None
+        self._async_work = None     # a bounded-delay worker's batch in progress
+        self._async_totals: Dict[str, Any] = {}  # rank 0: bounded-delay rounds so far
         self._bar = None
         self._identical_after_resize: Optional[bool] = None
         self._epoch_samples = 0
@@ -544,6 +546,20 @@ class Job:
         st = self._require_setup()
         while not st.sampler.epoch_done and not self._over():
             self._recovered = False  # a recovery in an epoch hook needs no redo
+            if st.strategy.asynchronous and self.world.size > 1:
+                count = yield from self._async_round()
+                if self._recovered:
+                    self._recovered = False
+                    continue
+                going_on = self._boundary(count, round_end=True)
+                if self._recovered:
+                    self._recovered = False
+                    continue
+                if self.left:
+                    self._leave()
+                if not going_on:
+                    break
+                continue
             part, micro = self._begin_step()
             if not micro:
                 self._stage_control()
@@ -571,16 +587,20 @@ class Job:
             if not going_on:
                 break
 
+    def _follow_ramp(self) -> None:
+        """The rate of this step (a batch change's ramp moves it), set on the optimizer."""
+        h = self.state.hyper
+        if h.ramp is not None:
+            h.lr = h.lr_at(self.state.step)
+            if self.state.step - h.ramp[0] >= h.ramp[1]:
+                h.ramp = None
+        self._apply_lr(h.lr)
+
     def _begin_step(self):
         st = self.state
         o = self.options
         self._t_step = time.perf_counter()
-        h = st.hyper
-        if h.ramp is not None:
-            h.lr = h.lr_at(st.step)
-            if st.step - h.ramp[0] >= h.ramp[1]:
-                h.ramp = None
-        self._apply_lr(h.lr)
+        self._follow_ramp()
         key = WalkKey(st.epoch, st.hyper.batch_size, self.world.rank, self.world.size,
                       o.max_local_batch)
         if key != self._walk or self._walk_cursor != st.sampler.cursor:
@@ -614,6 +634,151 @@ class Job:
                 "indices": part.indices.tolist()}) + "\n")
         return part, micro
 
+    # -- bounded-delay rounds (hpcadapt.bounded) ----------------------------------------
+    def _async_round(self) -> Iterator[Any]:
+        """One round of bounded-delay aggregation: rank 0 aggregates, the other ranks yield
+        the batches it hands them. Every rank starts from rank 0's model and ends with it;
+        the round's control values (loss, per-rank times, stop votes) then travel in one
+        small allreduce, and the round counts as ``ceil(samples / B)`` steps. Returns the
+        round's samples (0 after a recovery: a peer died in the round, which is then
+        trained again from the agreed state)."""
+        from .bounded import Aggregator, AsyncWorker, FlatModel
+        from .collectives import MPICommunicator
+        from .parallel import broadcast_parameters
+
+        st, o = self.state, self.options
+        strategy, batch = st.strategy, st.hyper.batch_size
+        self._t_step = time.perf_counter()
+        self.monitored = False
+        self._follow_ramp()
+        count = min(strategy.round_steps * batch, st.sampler.remaining)
+        steps = -(-count // batch)
+        flat = FlatModel(self.model)
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        report = None
+        try:
+            broadcast_parameters(tensors, root=0, world=self.world)  # version 0 everywhere
+            if self.world.rank == 0:
+                indices = st.sampler.slice_at(st.sampler.cursor, count, 0, 1).indices
+                report = Aggregator(self.world, flat, indices, global_batch=batch,
+                                    max_delay=strategy.max_delay,
+                                    apply=lambda n: self._apply_async_update(n, batch)).run()
+            else:
+                worker = AsyncWorker(self.world, flat)
+                while True:
+                    work = worker.next_batch()
+                    if work is None:
+                        break
+                    yield from self._async_batch(worker, work)
+            control = self._round_control(report)
+            MPICommunicator(self.world).allreduce(control, ReduceOp.SUM)
+            broadcast_parameters(tensors, root=0, world=self.world)  # rank 0's model for all
+        except world_mod.PeerFailure as exc:
+            self._step_open = False
+            self._recover(exc)  # or ends the job
+            return 0
+        step0 = st.step
+        st.sampler.advance(count)
+        st.step += steps
+        self._read_control(control, count)
+        self._nonfinite_run = 0 if math.isfinite(self.last_loss) else self._nonfinite_run + 1
+        t_end = time.perf_counter()
+        self._step_time = t_end - self._t_step
+        self.world.watch.note_step(self._step_time / max(steps, 1))
+        self._last_count = count
+        if report is not None:
+            self._record_round(report, step0, steps)
+        return count
+
+    def _async_batch(self, worker, work) -> Iterator[Any]:
+        """A worker's batch of a round: the (micro-)batches to yield; ``step(loss)`` after
+        the last sends the gradient to the aggregator."""
+        o = self.options
+        micro = split_micro(work.indices, o.max_local_batch)
+        for p in self.model.parameters():
+            p.grad = None
+        self._async_work = (worker, work, time.perf_counter())
+        # --slow-compute: the rank's straggling, as in synchronous steps
+        self._slept = self._slow_down(o.slow_compute, self._own_compute)
+        self._loss_sum = 0.0
+        self._step_open = True
+        for i, indices in enumerate(micro):
+            batch = self.loader.load(indices)
+            self._micro_left = len(micro) - i
+            self._micro_share = len(indices) / len(work.indices)
+            self._micro_n = len(indices)
+            yield batch
+            if self._micro_left == len(micro) - i:
+                raise ConfigurationError("call job.step(loss) once for every batch the "
+                                         "loader yields")
+        self._async_work = None
+
+    def _send_async_update(self) -> None:
+        worker, work, t0 = self._async_work
+        compute = time.perf_counter() - t0
+        self._own_compute = max(0.0, compute - self._slept)
+        try:
+            worker.send_update(work.batch_id, len(work.indices), self._loss_sum, compute)
+        finally:
+            self._step_open = False
+
+    def _apply_async_update(self, samples: int, batch: int) -> None:
+        """The aggregator's application of ``samples`` samples' aggregated gradient (set
+        in ``.grad``): the job's optimizer at the rate scaled by samples / batch."""
+        inner = self.optimizer.optimizer
+        rates = [g["lr"] for g in inner.param_groups]
+        for g, lr in zip(inner.param_groups, rates):
+            g["lr"] = lr * samples / batch
+        try:
+            inner.step()
+        finally:
+            for g, lr in zip(inner.param_groups, rates):
+                g["lr"] = lr
+
+    def _round_control(self, report) -> np.ndarray:
+        """The control slots of a round: rank 0 fills the loss and each worker's mean time
+        per update (its own compute slot stays 0: it trained nothing), every rank its stop
+        signal, rank 0 the stop file."""
+        size, rank = self._slot_ranks(), self.world.rank
+        values = np.zeros(self._extra_slots())
+        if report is not None:
+            values[0] = report.loss_sum
+            for w, n in report.updates.items():
+                per_update = report.round_s / n
+                compute = report.compute_s.get(w, 0.0) / n
+                values[1 + w] = per_update
+                values[1 + size + w] = compute
+                values[1 + 2 * size + w] = max(0.0, per_update - compute)
+                values[1 + 3 * size + w] = report.trained.get(w, 0)
+            values[1] = report.round_s / max(report.versions, 1)
+            stop_file = self.options.stop_file
+            values[-2] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
+        values[-1] = 1.0 if self.stop_signals is not None and self.stop_signals.received else 0.0
+        return values
+
+    def _record_round(self, report, step0: int, steps: int) -> None:
+        """Rank 0: the round's line in the metrics (updates applied and dropped, delays),
+        the job's totals, and the samples each applied update trained on."""
+        st = self.state
+        totals = self._async_totals
+        for key in ("applied_updates", "dropped_updates", "versions", "pulls"):
+            totals[key] = totals.get(key, 0) + getattr(report, key)
+        totals["rounds"] = totals.get("rounds", 0) + 1
+        for name in ("delays_applied", "delays_dropped"):
+            hist = totals.setdefault(name, {})
+            for delay, n in getattr(report, name).items():
+                hist[str(delay)] = hist.get(str(delay), 0) + n
+        self.sink.write(dict({"event": "bounded-delay", "step": st.step, "epoch": st.epoch,
+                              "first_step": step0, "steps": steps,
+                              "max_delay": st.strategy.max_delay,
+                              "world_size": self.world.size}, **report.to_dict()))
+        if self._sample_file is not None:
+            for slot, worker, indices in report.applied:
+                self._sample_file.write(json.dumps({
+                    "epoch": st.epoch, "step": step0 + slot, "rank": worker,
+                    "size": self.world.size, "version": self.world.cluster_version,
+                    "indices": indices.tolist()}) + "\n")
+
     def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None,
              scaler: Optional[Any] = None) -> None:
         """Backward of ``loss`` (the mean over the batch the loader yielded), then, after
@@ -636,6 +801,14 @@ class Job:
                 f"and the scales would drift apart); train in bf16 without a scaler instead")
         self._loss_sum += float(loss.detach()) * self._micro_n
         scaled = loss * self._micro_share if self._micro_share != 1.0 else loss
+        if self._async_work is not None:
+            # bounded delay: the gradient stays local until it is sent to the aggregator
+            with self.optimizer.no_sync():
+                scaled.backward()
+            self._micro_left -= 1
+            if self._micro_left == 0:
+                self._send_async_update()
+            return
         if scaler is not None:
             scaled = scaler.scale(scaled)
         last = self._micro_left == 1
@@ -780,7 +953,7 @@ class Job:
                         type(self.optimizer.optimizer).__name__)
 
     # -- the step boundary -----------------------------------------------------------------
-    def _boundary(self, count: int) -> bool:
+    def _boundary(self, count: int, *, round_end: bool = False) -> bool:
         """Between two steps, on every rank: metrics, stop, policies, resizes. Returns
         whether training goes on in this epoch."""
         st = self.state
@@ -814,7 +987,7 @@ class Job:
                 return False
             if self._recovered:
                 return True
-        if self.engine.active and self.engine.due(st.step, self.monitored):
+        if self.engine.active and (round_end or self.engine.due(st.step, self.monitored)):
             self._hook("after_step")
             if self._recovered:
                 return True
@@ -965,6 +1138,14 @@ class Job:
                               "training goes on with %s", old.name, new.name, old.describe())
                 return
             identical = self.replicas_identical() if self.options.check_replicas else None
+        elif old.asynchronous and self.world.size > 1:
+            # out of bounded delay: only rank 0's optimizer stepped (the models are rank
+            # 0's since the round's end); its state goes to every rank
+            try:
+                broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
+            except world_mod.PeerFailure as exc:
+                self._recover(exc)
+                return
         st.strategy = new
         self.world.bump_version()
         if self.world.rank == 0:
@@ -1697,7 +1878,9 @@ class Job:
                         "batch_size": st.hyper.batch_size, "lr": st.hyper.lr,
                         "left": self.left, "cluster_version": self.world.cluster_version,
                         "resizes": self.resizes, "stopped": self.stopped,
-                        "model_digest": self.model_digest()})
+                        "model_digest": self.model_digest(),
+                        **({"bounded_delay": self._async_totals}
+                           if self._async_totals else {})})
 
     def finish(self, *, exit: bool = True) -> Dict[str, Any]:
         """End the job on every rank: rank 0 prints the summary as one line of JSON (and

@@ -143,6 +143,11 @@ class ElasticDataLoader:
         """The batch for ``indices``, the next micro-batch of the current walk."""
         if self._iter is not None:
             return next(self._iter)
+        return self.load(indices)
+
+    def load(self, indices: np.ndarray) -> Any:
+        """The batch for ``indices`` read here and now (no prefetch: bounded-delay rounds
+        hand out batches one at a time)."""
         if self._fast:
             idx = torch.from_numpy(indices)
             return tuple(t[idx] for t in self.dataset.tensors)

@@ -16,11 +16,12 @@ from .goodput import Goodput
 from .resize_schedule import ResizeSchedule
 from .schedule import Schedule
 from .straggler import Straggler
+from .straggler_async import StragglerAsync
 from .sync_switch import SyncSwitch
 from .topology_auto import TopologyAuto
 
 __all__ = ["Policy", "Decision", "MetricsSnapshot", "Param", "POLICIES", "register",
-           "GNSBatchSize", "Goodput", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "SyncSwitch", "TopologyAuto", "LRRule", "Ramp", "LR_RULES",
+           "GNSBatchSize", "Goodput", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "StragglerAsync", "SyncSwitch", "TopologyAuto", "LRRule", "Ramp", "LR_RULES",
            "add_policy_arguments", "build_policies", "build_lr_rule", "argparse_type"]
 
 POLICIES: Dict[str, Type[Policy]] = {}
@@ -34,8 +35,8 @@ def register(cls: Type[Policy]) -> Type[Policy]:
     return cls
 
 
-for _cls in (GNSBatchSize, Goodput, Schedule, ResizeSchedule, AutoScale, Straggler, SyncSwitch,
-             TopologyAuto):
+for _cls in (GNSBatchSize, Goodput, Schedule, ResizeSchedule, AutoScale, Straggler,
+             StragglerAsync, SyncSwitch, TopologyAuto):
     register(_cls)
 
 
