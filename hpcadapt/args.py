@@ -122,6 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="that rank's forward and backward take FACTOR times as long")
     t.add_argument("--slow-comm", type=_factor, default=1.0, metavar="FACTOR",
                    help="that rank's gradient or model exchange takes FACTOR times as long")
+    t.add_argument("--slow-until", type=positive_int, default=None, metavar="STEP",
+                   help="the slow-down ends at this step (a straggler that goes away)")
     s = parser.add_argument_group("steps and memory")
     s.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many steps in total")

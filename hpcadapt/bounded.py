@@ -170,12 +170,14 @@ class Aggregator:
         self.applied_samples = 0
         self.report = RoundReport(samples=self.total)
         self._sends: List[Tuple[MPI.Request, object]] = []
+        self._heads: Dict[int, Tuple[MPI.Request, np.ndarray]] = {}  # posted per worker
         self._arrivals = 0
 
     def run(self) -> RoundReport:
         t0 = time.perf_counter()
         try:
             for w in self.workers:
+                self._post_head(w)
                 self._hand_out(w, pull=False)
             queue: List[_Update] = []
             while self.applied_samples < self.total:
@@ -185,32 +187,51 @@ class Aggregator:
                 self._send_head(w, DONE, pull=False, n=0, batch_id=-1)
             self.idle = []
             self._finish_sends()
+            self._cancel_heads()
         except BaseException:
-            ABANDONED.append(self._sends)
+            ABANDONED.append((self._sends, self._heads))
             raise
         self.report.round_s = time.perf_counter() - t0
         return self.report
 
     # -- messages --------------------------------------------------------------------
+    def _post_head(self, worker: int) -> None:
+        buf = np.empty(6, dtype=np.float64)
+        self._heads[worker] = (self.world.comm.Irecv(buf, worker, TAG_UPDATE_HEAD), buf)
+
     def _receive(self, queue: List[_Update], *, block: bool) -> None:
-        comm = self.world.comm
+        """Take the updates that have arrived (waiting, bounded, for one when ``block``).
+        One receive is posted per worker: MPICH does not match MPI.ANY_SOURCE across
+        processes that joined dynamically."""
+        workers = list(self._heads)
         while True:
-            if not block and not comm.Iprobe(MPI.ANY_SOURCE, TAG_UPDATE_HEAD):
+            ready = [w for w in workers if self._heads[w][0].Test()]
+            if not ready and block:
+                i = self.world.watch.wait_any([self._heads[w][0] for w in workers],
+                                              "bounded-delay: waiting for a worker's update")
+                ready = [workers[i]]
+            if not ready:
                 return
-            head = np.empty(6, dtype=np.float64)
-            req = comm.Irecv(head, MPI.ANY_SOURCE, TAG_UPDATE_HEAD)
-            wait_request(req, self.world.watch, "bounded-delay: waiting for a worker's update")
-            rank = int(head[0])
-            body = np.empty(self.flat.numel, dtype=self.flat.np_dtype)
-            req = comm.Irecv(body, rank, TAG_UPDATE_BODY)
-            wait_request(req, self.world.watch, f"bounded-delay: rank {rank}'s gradient")
-            self._arrivals += 1
-            queue.append(_Update(rank, int(head[1]), int(head[2]), float(head[3]),
-                                 float(head[4]), int(head[5]), body, self._arrivals))
-            r = self.report
-            r.updates[rank] = r.updates.get(rank, 0) + 1
-            r.compute_s[rank] = r.compute_s.get(rank, 0.0) + float(head[4])
+            for rank in ready:
+                head = self._heads[rank][1]
+                body = np.empty(self.flat.numel, dtype=self.flat.np_dtype)
+                wait_request(self.world.comm.Irecv(body, rank, TAG_UPDATE_BODY),
+                             self.world.watch, f"bounded-delay: rank {rank}'s gradient")
+                self._post_head(rank)
+                self._arrivals += 1
+                queue.append(_Update(rank, int(head[1]), int(head[2]), float(head[3]),
+                                     float(head[4]), int(head[5]), body, self._arrivals))
+                r = self.report
+                r.updates[rank] = r.updates.get(rank, 0) + 1
+                r.compute_s[rank] = r.compute_s.get(rank, 0.0) + float(head[4])
             block = False
+
+    def _cancel_heads(self) -> None:
+        """The round is over and no update is in flight: the posted receives go."""
+        for request, _ in self._heads.values():
+            request.Cancel()
+            request.Wait()
+        self._heads = {}
 
     def _send(self, buf: np.ndarray, dest: int, tag: int) -> None:
         self._sends.append((self.world.comm.Isend(buf, dest, tag), buf))

@@ -77,6 +77,7 @@ class JobOptions:
     slow_rank: Optional[int] = None
     slow_compute: float = 1.0
     slow_comm: float = 1.0
+    slow_until: Optional[int] = None
     max_steps: Optional[int] = None
     max_nonfinite_steps: int = 5
     max_local_batch: Optional[int] = None
@@ -891,7 +892,10 @@ class Job:
         its compute (a sleep before forward, as long as (F - 1) x the last step's compute)
         or its communication (after the step's exchange), so that strategies can be
         compared against a straggler or a slow link on one machine (tests, benchmarks)."""
-        if factor > 1.0 and self.options.slow_rank == self.world.rank and seconds > 0:
+        o = self.options
+        if o.slow_until is not None and self.state.step >= o.slow_until:
+            return 0.0
+        if factor > 1.0 and o.slow_rank == self.world.rank and seconds > 0:
             time.sleep((factor - 1.0) * seconds)
             return (factor - 1.0) * seconds
         return 0.0

@@ -56,6 +56,11 @@ class World:
         self._own = own
         self._abandoned = False
         self._version = cluster_version
+        # Per-world resources freed collectively by the ranks they were made for (an RMA
+        # window's free is a barrier of them all), called with ``abandon`` before the
+        # communicator changes or goes: in a shrink the leavers come here through ``free``
+        # at the point where the survivors come through ``replace``.
+        self.releases: List[Callable[[bool], None]] = []
         self._derive()
 
     def _derive(self) -> None:
@@ -119,6 +124,7 @@ class World:
         becomes ``version``: a joining worker takes the running job's). With ``keep_old``
         the old communicator is returned instead of freed (to fall back to it when the
         resize fails before it is confirmed)."""
+        self._release(abandon=self._abandoned)
         old, old_notices = self._comm, getattr(self, "notices", None)
         self._comm = comm
         self._version = self._version + 1 if version is None else version
@@ -145,6 +151,7 @@ class World:
         """Give up this world's communicators because a dead peer belongs to them: never
         freed (freeing waits on the dead), kept referenced until exit. Call ``replace``
         next."""
+        self._release(abandon=True)
         ABANDONED.extend([self._comm, self.notices])
         self._abandoned = True
         # The dead are known and agreed on: until the next world has formed, waits watch the
@@ -153,7 +160,14 @@ class World:
         self.watch.local_peers = [(r, p) for r, p in self.watch.local_peers if pid_alive(p)]
         self.watch.sources = [s for s in self.watch.sources if s != self._notice]
 
+    def _release(self, abandon: bool) -> None:
+        releases, self.releases = self.releases, []
+        for release in releases:
+            release(abandon)
+
     def free(self) -> None:
+        if self._comm is not None:
+            self._release(abandon=False)
         if self._comm is not None and self._own:
             self._comm.Free()
             self.notices.Free()
@@ -391,12 +405,31 @@ class PeerWatch:
             ABANDONED.append(request)  # it keeps its buffer: MPI may still write into it
             raise
 
+    def wait_any(self, requests: List[MPI.Request], what: str) -> int:
+        """Wait until one of ``requests`` completes and return its index (polled like
+        ``wait``; a receive per peer instead of one from MPI.ANY_SOURCE, which MPICH does
+        not match across dynamically joined processes), or raise PeerFailure."""
+        done: List[int] = []
+
+        def test() -> bool:
+            for i, request in enumerate(requests):
+                if request.Test():
+                    done.append(i)
+                    return True
+            return False
+
+        self._wait_until(test, what, None)
+        return done[0]
+
     def _wait(self, request: MPI.Request, what: str, deadline_s: Optional[float]) -> None:
+        self._wait_until(request.Test, what, deadline_s)
+
+    def _wait_until(self, test: Callable[[], bool], what: str,
+                    deadline_s: Optional[float]) -> None:
         t0 = time.perf_counter()
         spin_until = t0 + self.spin_s
         next_check = t0 + self.check_s
         limit = t0 + (self.deadline_s() if deadline_s is None else deadline_s)
-        test = request.Test
         while not test():
             now = time.perf_counter()
             if now < spin_until:

@@ -1,0 +1,110 @@
+"""Bounded-delay aggregation end to end, on real MPI ranks with the training entry point
+(digits): with one rank slowed 3x it trains to within a point of S-SGD, applies no update
+older than --max-delay, counts what it dropped (per round and in the summary) and uses every
+sample of every epoch exactly once; the straggler-async policy switches to it while a
+straggler lasts and back to S-SGD (replicas bit-identical) when it goes; it goes on across a
+grow and a shrink; bad input is one clear line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, mpiexec
+from test_failure import Run, every_sample_once
+
+pytestmark = pytest.mark.slow
+
+TRAIN = ["-m", "hpcadapt.train", "--no-progress", "--batch-size", "32", "--lr", "0.05",
+         "--seed", "0", "--threads", "1"]
+
+
+def _train(tmp_path, name, flags, epochs=8, ranks=3):
+    metrics = tmp_path / f"{name}.jsonl"
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable] + TRAIN +
+                          ["--epochs", str(epochs), "--metrics-file", str(metrics),
+                           "--sample-log", str(tmp_path / f"{name}-samples")] + flags,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return summary, rows
+
+
+def test_bounded_delay_with_a_slowed_rank_bounds_delays_and_matches_ssgd(tmp_path):
+    ssgd, _ = _train(tmp_path, "ssgd", [])
+    summary, rows = _train(tmp_path, "bd", ["--strategy", "bounded-delay", "--max-delay", "2",
+                                            "--async-round-steps", "20", "--slow-rank", "2",
+                                            "--slow-compute", "3"])
+    every_sample_once(tmp_path / "bd-samples")
+    acc = {"ssgd": ssgd["final_test_accuracy"], "bd": summary["final_test_accuracy"]}
+    print("final test accuracy:", acc, "bounded delay:", summary["bounded_delay"])
+    assert acc["ssgd"] > 0.9 and acc["bd"] >= acc["ssgd"] - 0.01, acc
+    rounds = [r for r in rows if r.get("event") == "bounded-delay"]
+    totals = summary["bounded_delay"]
+    assert totals["rounds"] == len(rounds) >= 8 * 3  # 45 steps an epoch: 3 rounds each
+    assert max(int(d) for d in totals["delays_applied"]) <= 2
+    assert all(int(d) > 2 for d in totals["delays_dropped"])
+    assert sum(totals["delays_dropped"].values()) == totals["dropped_updates"] == \
+        sum(r["dropped_updates"] for r in rounds)
+    assert sum(totals["delays_applied"].values()) == totals["applied_updates"]
+    assert all(r["samples"] == 20 * 32 or r["step"] % 45 == 0 for r in rounds)
+    # the slowed worker sent fewer updates than the other one
+    per_worker = {}
+    for r in rounds:
+        for w, n in r["updates_per_worker"].items():
+            per_worker[w] = per_worker.get(w, 0) + n
+    assert per_worker["2"] < per_worker["1"], per_worker
+
+
+def test_straggler_async_switches_while_the_straggler_lasts(tmp_path):
+    _, rows = _train(tmp_path, "sa", [
+        "--policy", "straggler-async", "--straggler-async-patience", "3",
+        "--straggler-async-factor", "2", "--straggler-async-round-steps", "5",
+        "--slow-rank", "2", "--slow-compute", "6", "--slow-until", "60", "--check-replicas"],
+        epochs=4)
+    switches = [(r["step"], r["from"]["name"], r["to"]["name"], r["replicas_identical"])
+                for r in rows if r.get("event") == "strategy"]
+    assert switches[0][1:3] == ("ssgd", "bounded-delay") and switches[0][0] < 60, switches
+    assert switches[1][1:] == ("bounded-delay", "ssgd", True) and switches[1][0] > 60, switches
+    assert any(r.get("event") == "bounded-delay" for r in rows)
+    every_sample_once(tmp_path / "sa-samples")
+
+
+def test_bounded_delay_goes_on_across_a_grow_and_a_shrink(tmp_path):
+    run = Run(tmp_path, 2, ["--strategy", "bounded-delay", "--async-round-steps", "5",
+                            "--max-workers", "3", "--policy", "resize-schedule",
+                            "--resize-schedule-steps", "3:3,60:2",
+                            "--resize-schedule-hold", "30"])
+
+    def shrunk_and_trained_on():
+        rows = run.rows()
+        shrinks = [r["step"] for r in rows if r.get("event") == "resize" and r["ok"]
+                   and r["new_size"] == 2]
+        return bool(shrinks) and any(r.get("event") == "bounded-delay"
+                                     and r["world_size"] == 2
+                                     and r["step"] > shrinks[0] + 10 for r in rows)
+
+    run.wait_for("the shrink back to 2 and rounds after it", shrunk_and_trained_on)
+    rows = run.rows()
+    resizes = [(r["old_size"], r["new_size"]) for r in rows
+               if r.get("event") == "resize" and r["ok"]]
+    assert resizes[:2] == [(2, 3), (3, 2)], resizes
+    assert any(r.get("event") == "bounded-delay" and r["world_size"] == 3 for r in rows)
+    run.stop_file.write_text("stop")
+    assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
+
+
+@pytest.mark.parametrize("flags, ranks, message", [
+    (["--strategy", "bounded-delay"], 1, "--strategy bounded-delay needs at least 2 workers"),
+    (["--strategy", "bounded-delay", "--max-delay", "-1"], 1, "--max-delay: must be >= 0"),
+    (["--strategy", "pair-avg"], 1, "--strategy pair-avg needs at least 2 workers"),
+    (["--async-round-steps", "0"], 1, "--async-round-steps"),
+])
+def test_bad_input_is_one_clear_line(tmp_path, flags, ranks, message):
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable] + TRAIN +
+                          ["--epochs", "1"] + flags, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
