@@ -114,6 +114,8 @@ class DistributedOptimizer:
         self._model_avg: Optional[Tuple[List[Bucket], List[List[torch.Tensor]],
                                         List[Handle]]] = None
         self._control: Optional[MPICommunicator] = None
+        self._pairs = None            # pair averaging's window (hpcadapt.pairavg)
+        self._pair_failure: Optional[Exception] = None  # raised in synchronize
         self._version = -1
         self._buckets: List[_BucketState] = []
         self._param_bucket: Dict[torch.nn.Parameter, _BucketState] = {}
@@ -224,6 +226,64 @@ class DistributedOptimizer:
         self._model_alpha = alpha
         if alpha is not None:
             self._start_model_average()
+        if self.strategy.pairs_models and self._world.size > 1:
+            self._start_pair_fetch(step)
+        elif self._pairs is not None:
+            self._release_pairs(abandon=False)  # the strategy left pair-avg, on every rank
+
+    def _start_pair_fetch(self, step: int) -> None:
+        """Pair averaging: publish this replica's parameters (as the last update left them)
+        and start reading one random peer's; ``synchronize`` mixes them in. The window is
+        made for the world's cluster version (collective, every rank at this step); a peer
+        found dead on the way is raised from ``synchronize``, where the job recovers."""
+        from .pairavg import PairExchange, choose_peer
+
+        params = [p.data for _, p in self._named]
+        try:
+            pairs = self._pairs
+            if pairs is not None and pairs.cluster_version != self._world.cluster_version:
+                self._release_pairs(abandon=False)
+                pairs = None
+            if pairs is None:
+                # everyone is here before the (unbounded) collective creation
+                wait_request(self._world.comm.Ibarrier(), self._world.watch,
+                             "the pair window's creation")
+                pairs = self._pairs = PairExchange(self._world, params)
+                self._world.releases.append(self._release_pairs)
+                pairs.publish(params)
+                # every rank has published before anyone reads
+                wait_request(self._world.comm.Ibarrier(), self._world.watch,
+                             "the pair window's first publication")
+            else:
+                pairs.publish(params)
+            pairs.start_fetch(choose_peer(step, self._world.rank, self._world.size))
+        except _runtime.PeerFailure as exc:
+            self._pair_failure = exc
+
+    def _finish_pair_average(self) -> None:
+        """v <- (v + v_peer) / 2, before this rank's own update."""
+        if self._pair_failure is not None:
+            exc, self._pair_failure = self._pair_failure, None
+            raise exc
+        if self._pairs is None or not self._pairs.fetching:
+            return
+        theirs = self._pairs.finish_fetch()
+        with torch.no_grad():
+            for (_, p), flat in zip(self._named, theirs):
+                peer = flat.view(p.dtype).view(p.shape)
+                p.add_(peer.to(p.device) if p.device.type != "cpu" else peer).mul_(0.5)
+
+    def _release_pairs(self, abandon: bool) -> None:
+        """Free the pair window (collective), or keep it unfreed when a peer died."""
+        pairs, self._pairs = self._pairs, None
+        if pairs is None:
+            return
+        if self._release_pairs in self._world.releases:
+            self._world.releases.remove(self._release_pairs)
+        if abandon:
+            pairs.abandon()
+        else:
+            pairs.free()
 
     def average_models(self) -> None:
         """Every replica takes the plain average of all (collective; between steps)."""
@@ -308,6 +368,8 @@ class DistributedOptimizer:
         if self._model_avg is not None:
             ABANDONED.append(self._model_avg)
             self._model_avg = None
+        self._release_pairs(abandon=True)
+        self._pair_failure = None
         self._buckets = []
         self._version = -1
         self._plane.close(abandon=True)
@@ -429,6 +491,9 @@ class DistributedOptimizer:
         towards the replicas' average)."""
         self._ensure_current()
         if not self._sync_grads:
+            # the fetch ends before the control reduction: a peer cannot publish twice
+            # while it is read (hpcadapt.pairavg)
+            self._finish_pair_average()
             self.last_stats = self._control_reduction()
             if self._model_avg is not None:
                 self._finish_model_average()
@@ -459,6 +524,7 @@ class DistributedOptimizer:
                                         host[1:self._extra_slots + 1].copy())
         if self._model_avg is not None:
             self._finish_model_average()
+        self._finish_pair_average()  # a monitored pair-avg step
         self._reset_step()
         self._synchronized = True
         return self.last_stats

@@ -34,13 +34,14 @@ def _train(tmp_path, name, flags, epochs=8, ranks=2):
 def test_every_strategy_trains_to_within_a_point_of_ssgd(tmp_path):
     acc = {}
     for name, flags in [("ssgd", []), ("sma", ["--strategy", "sma"]),
-                        ("local-sgd", ["--strategy", "local-sgd", "--local-sgd-period", "4"])]:
+                        ("local-sgd", ["--strategy", "local-sgd", "--local-sgd-period", "4"]),
+                        ("pair-avg", ["--strategy", "pair-avg"])]:
         summary, _ = _train(tmp_path, name, flags)
         acc[name] = summary["final_test_accuracy"]
         every_sample_once(tmp_path / f"{name}-samples")
     print("final test accuracy:", acc)
     assert acc["ssgd"] > 0.9, acc
-    for name in ("sma", "local-sgd"):
+    for name in ("sma", "local-sgd", "pair-avg"):
         assert acc[name] >= acc["ssgd"] - 0.01, acc
 
 
@@ -61,8 +62,11 @@ def test_a_switch_mid_epoch_to_ssgd_and_back_leaves_identical_replicas(tmp_path)
     every_sample_once(tmp_path / "switch-samples")
 
 
-def test_model_averaging_goes_on_across_a_grow_and_a_shrink(tmp_path):
-    run = Run(tmp_path, 2, ["--strategy", "sma", "--max-workers", "3", "--policy",
+@pytest.mark.parametrize("strategy", ["sma", "pair-avg"])
+def test_model_averaging_goes_on_across_a_grow_and_a_shrink(tmp_path, strategy):
+    """Under pair-avg the window is rebuilt for each world (the joiner takes part from its
+    first step) and the shrink's leaver frees it with the survivors."""
+    run = Run(tmp_path, 2, ["--strategy", strategy, "--max-workers", "3", "--policy",
                             "resize-schedule", "--resize-schedule-steps", "3:3,60:2",
                             "--resize-schedule-hold", "30"])
     def shrunk_and_trained_on():
@@ -80,6 +84,18 @@ def test_model_averaging_goes_on_across_a_grow_and_a_shrink(tmp_path):
     assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
     every_sample_once(run.samples)
     run.assert_no_process_left()
+
+
+def test_a_switch_from_pair_averaging_into_ssgd_leaves_identical_replicas(tmp_path):
+    _, rows = _train(tmp_path, "pair-switch", [
+        "--strategy", "pair-avg", "--check-replicas", "--policy", "sync-switch",
+        "--sync-switch-steps", "20:ssgd,50:pair-avg,80:ssgd"], epochs=3)
+    switches = [r for r in rows if r["event"] == "strategy"]
+    assert [(s["step"], s["to"]["name"]) for s in switches] == [
+        (20, "ssgd"), (50, "pair-avg"), (80, "ssgd")]
+    into_ssgd = [s for s in switches if s["to"]["name"] == "ssgd"]
+    assert all(s["replicas_identical"] is True for s in into_ssgd), into_ssgd
+    every_sample_once(tmp_path / "pair-switch-samples")
 
 
 def test_topology_auto_takes_the_hierarchical_allreduce_on_two_emulated_nodes(tmp_path):
