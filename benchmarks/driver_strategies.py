@@ -3,10 +3,12 @@ ones, with no slow rank, with one rank's compute slowed 2x and with one rank's l
 (4 ranks, the built-in CNN on digits).
 
 Runs (``STRATEGY/CONDITION``): ``ssgd``, ``sma`` (alpha 0.1), ``local-sgd`` (every 8 steps),
-and two adaptive ones: ``sync-switch`` (sma for the first third of the steps, then ssgd, by
-the sync-switch policy's schedule) and ``straggler`` (the straggler policy removes a rank
+``bounded-delay`` (max delay 4, rounds of 20 batches: rank 0 aggregates, the others train),
+and three adaptive ones: ``sync-switch`` (sma for the first third of the steps, then ssgd, by
+the sync-switch policy's schedule), ``straggler`` (the straggler policy removes a rank
 whose compute stays above 1.3x the others' median for 5 checks; the job has an allocator,
-``--max-workers``, so it may resize). Conditions: ``none``; ``compute`` (``--slow-rank`` the
+``--max-workers``, so it may resize) and ``straggler-async`` (switches to bounded delay after
+5 checks with a rank above 1.3x, back after 5 rounds without one). Conditions: ``none``; ``compute`` (``--slow-rank`` the
 last rank, its forward and backward take about twice as long); ``comm`` (its exchange takes
 twice as long, ``--slow-comm 2``).
 
@@ -41,8 +43,9 @@ from typing import Dict, List, Optional
 from common import epochs_with_time, read_jsonl, time_to_target
 from launch import ROOT, env, mpiexec
 
-STRATEGIES = ("ssgd", "sma", "local-sgd", "sync-switch", "straggler")
-ADAPTIVE = ("sync-switch", "straggler")
+STRATEGIES = ("ssgd", "sma", "local-sgd", "bounded-delay", "sync-switch", "straggler",
+              "straggler-async")
+ADAPTIVE = ("sync-switch", "straggler", "straggler-async")
 CONDITIONS = ("none", "compute", "comm")
 GRACE_S = 10.0   # after rank 0's summary, for the ranks to end on their own
 
@@ -60,6 +63,12 @@ def strategy_flags(name: str, total_steps: int) -> List[str]:
     if name == "straggler":
         return ["--max-workers", "{ranks}", "--policy", "straggler", "--straggler-action",
                 "remove", "--straggler-factor", "1.3", "--straggler-patience", "5"]
+    if name == "bounded-delay":
+        return ["--strategy", "bounded-delay", "--max-delay", "4", "--async-round-steps", "20"]
+    if name == "straggler-async":
+        return ["--policy", "straggler-async", "--straggler-async-factor", "1.3",
+                "--straggler-async-patience", "5", "--straggler-async-max-delay", "4",
+                "--straggler-async-round-steps", "20"]
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 
 
@@ -125,6 +134,18 @@ def launch(ranks: int, args: List[str], summary: str, log: str, *, timeout: floa
             "summary": os.path.exists(summary)}
 
 
+def _bounded_delay(stem: str) -> Optional[dict]:
+    """The first repeat's bounded-delay totals from its summary (updates applied and
+    dropped, the delay histograms), None when it ran no round."""
+    import json
+
+    try:
+        with open(stem + ".summary.json", encoding="utf-8") as f:
+            return json.load(f).get("bounded_delay")
+    except (OSError, ValueError):
+        return None
+
+
 def _fmt(x, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -134,7 +155,10 @@ def print_runs(rows: Dict[str, dict], target: float) -> None:
     print(f"{'run':<22} {'time to target (s)':>18} {'final acc.':>10} {'steps':>6} "
           f"{'to target':>9} {'train (s)':>9} {'slow x':>6}  notes")
     for k, r in rows.items():
-        notes = ", ".join(r["resizes"] + r["strategy_switches"]
+        bd = r.get("bounded_delay")
+        dropped = ([f"{bd['dropped_updates']} of {bd['applied_updates'] + bd['dropped_updates']}"
+                    f" updates dropped"] if bd else [])
+        notes = ", ".join(r["resizes"] + r["strategy_switches"] + dropped
                           + [e for e in r["ended"] if e != "exit"])
         print(f"{k:<22} {_fmt(r['time_to_target_s']):>18} {_fmt(r['final_accuracy'], '.3f'):>10} "
               f"{_fmt(r['steps'], 'd'):>6} {_fmt(r['steps_to_target'], 'd'):>9} "
@@ -182,6 +206,7 @@ def run(name: str, extra: List[str]) -> dict:
     tmp = tempfile.mkdtemp(prefix="hpcadapt-strategies-")
     metrics: Dict[str, List[List[dict]]] = {k: [] for k in labels}
     endings: Dict[str, List[Dict]] = {k: [] for k in labels}
+    stem_of: Dict[str, str] = {}   # the first repeat's files
     started = time.perf_counter()
     for rep in range(args.repeats):
         order = labels[rep % len(labels):] + labels[:rep % len(labels)]
@@ -203,6 +228,7 @@ def run(name: str, extra: List[str]) -> dict:
                 print(f"   {ending['ended']} after {ending['launch_s']:.0f} s "
                       f"(output: {stem}.log)", flush=True)
             metrics[label].append(read_jsonl(stem + ".jsonl"))
+            stem_of.setdefault(label, stem)
             endings[label].append(ending)
     bench_s = time.perf_counter() - started
 
@@ -246,6 +272,7 @@ def run(name: str, extra: List[str]) -> dict:
             "slow_rank_compute_vs_others": (measured_compute_factor(first, slow_rank, args.ranks)
                                             if condition != "none" else None),
             "ended": [e["ended"] for e in endings[k]],
+            "bounded_delay": _bounded_delay(stem_of[k]),
         }
 
     def ratio(a: str, b: str) -> Optional[float]:

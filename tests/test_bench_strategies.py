@@ -13,7 +13,8 @@ from conftest import ROOT
 pytestmark = pytest.mark.slow
 
 RUNS = ["ssgd/none", "ssgd/compute", "sma/compute", "local-sgd/compute",
-        "sync-switch/compute", "straggler/compute"]
+        "bounded-delay/compute", "sync-switch/compute", "straggler/compute",
+        "straggler-async/compute"]
 
 
 def test_quick_run_writes_every_run_and_the_ratio(tmp_path):
@@ -34,3 +35,5 @@ def test_quick_run_writes_every_run_and_the_ratio(tmp_path):
     assert result["target_accuracy"] == pytest.approx(
         result["target_share"] * result["rows"]["ssgd/none"]["final_accuracy"])
     assert "target accuracy" in proc.stdout and "straggler/compute" in proc.stdout
+    bd = result["rows"]["bounded-delay/compute"]["bounded_delay"]
+    assert bd["applied_updates"] > 0 and "delays_applied" in bd
