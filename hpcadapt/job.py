@@ -653,6 +653,8 @@ class Job:
         self.monitored = False
         self._follow_ramp()
         count = min(strategy.round_steps * batch, st.sampler.remaining)
+        if o.max_steps is not None:  # the round ends where --max-steps does
+            count = min(count, max(1, o.max_steps - st.step) * batch)
         steps = -(-count // batch)
         flat = FlatModel(self.model)
         tensors = list(self.model.parameters()) + list(self.model.buffers())

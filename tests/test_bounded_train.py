@@ -108,3 +108,49 @@ def test_bad_input_is_one_clear_line(tmp_path, flags, ranks, message):
                           text=True, timeout=300)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_stop_signal_ends_a_round_saved_and_the_restart_finishes_exactly_once(tmp_path):
+    """Slurm's preemption: every rank gets SIGTERM while rounds run; the job stops at the
+    round's end with the state saved (exit 75), and the restart trains on from there with
+    every sample of every epoch exactly once across both."""
+    import collections
+    import os
+    import signal
+
+    from conftest import wait_for
+    from procs import python_ranks
+
+    ckpt, metrics = tmp_path / "state.ckpt", tmp_path / "m.jsonl"
+    samples = tmp_path / "samples"
+    flags = ["--strategy", "bounded-delay", "--async-round-steps", "5", "--checkpoint",
+             str(ckpt), "--sample-log", str(samples)]
+    first = subprocess.Popen([mpiexec(), "-n", "3", sys.executable] + TRAIN +
+                             ["--epochs", "1000", "--metrics-file", str(metrics)] + flags,
+                             cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    wait_for(lambda: metrics.exists() and metrics.read_text().count('"bounded-delay"') >= 3,
+             "three rounds", first)
+    for pid in python_ranks(str(metrics)):
+        os.kill(pid, signal.SIGTERM)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 75, err[-3000:]
+    stopped = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert stopped["stopped"] and ckpt.exists()
+    total = stopped["steps"] + 2 * 45 + 7
+    second = subprocess.run([mpiexec(), "-n", "3", sys.executable] + TRAIN +
+                            ["--epochs", "1000", "--max-steps", str(total)] + flags,
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr
+    resumed = json.loads([line for line in second.stdout.splitlines()
+                          if line.startswith("{")][-1])
+    assert resumed["steps"] == total
+    seen = collections.Counter()
+    for f in samples.iterdir():
+        for line in f.read_text().splitlines():
+            row = json.loads(line)
+            seen.update((row["epoch"], i) for i in row["indices"])
+    assert set(seen.values()) == {1}  # nothing twice
+    last = max(e for e, _ in seen)
+    assert all(sum(1 for (e, _) in seen if e == k) == 1438 for k in range(last))
