@@ -40,7 +40,7 @@ def test_unknown_dataset_lists_choices(capsys):
     ("--stop-signals", "KILL", "SIGKILL cannot be a stop signal"),
     ("--stop-signals", "CHLD", "SIGCHLD cannot be a stop signal"),
     ("--max-nonfinite-steps", "0", "positive"),
-    ("--strategy", "pair-avg", "invalid choice: 'pair-avg' (choose from 'ssgd', 'sma', "),
+    ("--strategy", "async", "invalid choice: 'async' (choose from 'ssgd', 'sma', "),
     ("--sma-alpha", "0", "(0, 1]"), ("--sma-alpha", "1.5", "(0, 1]"),
     ("--local-sgd-period", "0", "positive"), ("--slow-compute", "0.5", "1 or more"),
     ("--slow-comm", "nan", "1 or more"), ("--slow-rank", "-1", "must be >= 0"),

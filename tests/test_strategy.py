@@ -82,7 +82,7 @@ def test_sync_switch_needs_a_trigger_and_usable_settings():
         SyncSwitch()
     with pytest.raises(ConfigurationError, match="--sma-alpha 2"):
         SyncSwitch(steps=[(5, "sma")], sma_alpha=2.0)
-    assert set(STRATEGIES) == {"ssgd", "sma", "local-sgd"}
+    assert set(STRATEGIES) == {"ssgd", "sma", "local-sgd", "pair-avg", "bounded-delay"}
 
 
 def test_sync_switch_state_round_trips():
@@ -91,3 +91,15 @@ def test_sync_switch_state_round_trips():
     q = SyncSwitch(steps=[(1, "ssgd")], workers=3)
     q.load_state_dict(p.state_dict())
     assert q.after_step(_snap(2, "ssgd")) is None and q.next == 1
+
+
+def test_bounded_delay_settings_are_checked_and_travel():
+    s = Strategy("bounded-delay", max_delay=0, round_steps=3)
+    assert s.asynchronous and not s.averages_gradients and s.min_workers == 2
+    assert Strategy.from_dict(s.to_dict()) == s
+    assert Strategy.from_dict({"name": "sma", "sma_alpha": 0.2}) == Strategy("sma", 0.2)
+    with pytest.raises(ConfigurationError, match="--max-delay -1"):
+        Strategy("bounded-delay", max_delay=-1)
+    with pytest.raises(ConfigurationError, match="--async-round-steps 0"):
+        Strategy("bounded-delay", round_steps=0)
+    assert "max delay 0" in s.describe()
