@@ -3,12 +3,13 @@ ones, with no slow rank, with one rank's compute slowed 2x and with one rank's l
 (4 ranks, the built-in CNN on digits).
 
 Runs (``STRATEGY/CONDITION``): ``ssgd``, ``sma`` (alpha 0.1), ``local-sgd`` (every 8 steps),
-``bounded-delay`` (max delay 4, rounds of 20 batches: rank 0 aggregates, the others train),
-and three adaptive ones: ``sync-switch`` (sma for the first third of the steps, then ssgd, by
-the sync-switch policy's schedule), ``straggler`` (the straggler policy removes a rank
-whose compute stays above 1.3x the others' median for 5 checks; the job has an allocator,
-``--max-workers``, so it may resize) and ``straggler-async`` (switches to bounded delay after
-5 checks with a rank above 1.3x, back after 5 rounds without one). Conditions: ``none``; ``compute`` (``--slow-rank`` the
+``pair-avg`` (a random peer's model each step), ``bounded-delay`` (max delay 4, rounds of 20
+batches: rank 0 aggregates, the others train), and three adaptive ones: ``sync-switch`` (sma
+for the first third of the steps, then ssgd, by the sync-switch policy's schedule),
+``straggler`` (the straggler policy removes a rank whose compute stays above 1.3x the
+others' median for 5 checks; the job has an allocator, ``--max-workers``, so it may resize)
+and ``straggler-async`` (switches to bounded delay after 5 checks with a rank above 1.3x,
+back after 5 rounds without one). Conditions: ``none``; ``compute`` (``--slow-rank`` the
 last rank, its forward and backward take about twice as long); ``comm`` (its exchange takes
 twice as long, ``--slow-comm 2``).
 
@@ -43,8 +44,8 @@ from typing import Dict, List, Optional
 from common import epochs_with_time, read_jsonl, time_to_target
 from launch import ROOT, env, mpiexec
 
-STRATEGIES = ("ssgd", "sma", "local-sgd", "bounded-delay", "sync-switch", "straggler",
-              "straggler-async")
+STRATEGIES = ("ssgd", "sma", "local-sgd", "pair-avg", "bounded-delay", "sync-switch",
+              "straggler", "straggler-async")
 ADAPTIVE = ("sync-switch", "straggler", "straggler-async")
 CONDITIONS = ("none", "compute", "comm")
 GRACE_S = 10.0   # after rank 0's summary, for the ranks to end on their own
@@ -63,6 +64,8 @@ def strategy_flags(name: str, total_steps: int) -> List[str]:
     if name == "straggler":
         return ["--max-workers", "{ranks}", "--policy", "straggler", "--straggler-action",
                 "remove", "--straggler-factor", "1.3", "--straggler-patience", "5"]
+    if name == "pair-avg":
+        return ["--strategy", "pair-avg"]
     if name == "bounded-delay":
         return ["--strategy", "bounded-delay", "--max-delay", "4", "--async-round-steps", "20"]
     if name == "straggler-async":

@@ -13,7 +13,7 @@ from conftest import ROOT
 pytestmark = pytest.mark.slow
 
 RUNS = ["ssgd/none", "ssgd/compute", "sma/compute", "local-sgd/compute",
-        "bounded-delay/compute", "sync-switch/compute", "straggler/compute",
+        "pair-avg/compute", "bounded-delay/compute", "sync-switch/compute", "straggler/compute",
         "straggler-async/compute"]
 
 
