@@ -108,3 +108,36 @@ def test_topology_auto_takes_the_hierarchical_allreduce_on_two_emulated_nodes(tm
     assert all(s["cluster_version"] == s["previous_cluster_version"] + 1 for s in switches)
     assert summary["final_test_accuracy"] > 0.9, summary
     every_sample_once(tmp_path / "topo-samples")
+
+
+def test_a_peer_killed_under_pair_averaging_is_recovered_from(tmp_path):
+    """A fetch from a dead peer (or the window's next use) raises PeerFailure within the
+    bound; the window is kept unfreed and the survivors train on with a new one."""
+    import os
+    import signal
+
+    run = Run(tmp_path, 2, ["--strategy", "pair-avg", "--max-workers", "3", "--policy",
+                            "resize-schedule", "--resize-schedule-steps", "3:3"])
+    run.wait_for("a step at 3 workers",
+                 lambda: [s for s in run.steps()[-1:] if s["world_size"] == 3])
+    grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]
+             and r["new_size"] == 3][-1]
+    os.kill(grown["pids"][2], signal.SIGKILL)
+    try:
+        failure = run.wait_for("the failure record", lambda: [
+            r for r in run.rows() if r.get("event") == "failure"])[0]
+    except AssertionError:
+        # Seen 1 run in 2: UCX aborts a survivor ("Connection reset by remote peer") on a
+        # request to the dead joiner (RMA to a spawned process goes through UCX, not
+        # shared memory); not recoverable from Python.
+        if run.proc.poll() is None or "Connection reset by remote peer" not in run.stderr():
+            raise
+        run.assert_no_process_left()
+        pytest.xfail("UCX aborted a survivor on a request to the dead joiner")
+    assert failure["recovered"] and failure["dead"] == [2], failure
+    run.wait_for("steps on 2 workers after the recovery", lambda: [
+        s for s in run.steps() if s["world_size"] == 2 and s["step"] > failure["step"] + 5])
+    run.stop_file.write_text("stop")
+    assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
+    every_sample_once(run.samples)
+    run.assert_no_process_left()
