@@ -303,3 +303,20 @@ def test_policy_reads_the_jobs_memory_cap_and_resizability_from_the_snapshot():
     s = snapshot(5, 256, 2, max_local_batch=64, can_resize=True, min_workers=2)
     assert p.config(s) == (2, 128, 2)
     assert list(p.worker_range(s)) == [2] and p.elastic
+
+
+def test_one_decision_moves_the_batch_by_at_most_max_step():
+    # a huge noise scale makes 1024 the best batch; from 64 one decision may reach 256
+    p = Goodput(min=16, max=1024, interval=1, warmup=0, cooldown=0, max_step=4.0)
+    d = None
+    for step in range(2, 6):
+        d = p.after_step(snapshot(step, batch=64, trace_sigma=1e6))
+        if d is not None:
+            break
+    assert d is not None and d.batch_size == 256, d
+    wide = Goodput(min=16, max=1024, interval=1, warmup=0, cooldown=0, max_step=64.0)
+    for step in range(2, 6):
+        d = wide.after_step(snapshot(step, batch=64, trace_sigma=1e6))
+        if d is not None:
+            break
+    assert d is not None and d.batch_size > 256, d
