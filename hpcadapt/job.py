@@ -663,9 +663,11 @@ class Job:
             broadcast_parameters(tensors, root=0, world=self.world)  # version 0 everywhere
             if self.world.rank == 0:
                 indices = st.sampler.slice_at(st.sampler.cursor, count, 0, 1).indices
-                report = Aggregator(self.world, flat, indices, global_batch=batch,
-                                    max_delay=strategy.max_delay,
-                                    apply=lambda n: self._apply_async_update(n, batch)).run()
+                step0 = st.step
+                report = Aggregator(
+                    self.world, flat, indices, global_batch=batch,
+                    max_delay=strategy.max_delay,
+                    apply=lambda n, slot: self._apply_async_update(n, batch, step0 + slot)).run()
             else:
                 worker = AsyncWorker(self.world, flat)
                 while True:
@@ -684,7 +686,8 @@ class Job:
         st.sampler.advance(count)
         st.step += steps
         self._read_control(control, count)
-        self._nonfinite_run = 0 if math.isfinite(self.last_loss) else self._nonfinite_run + 1
+        # only finite updates were applied: a round with none counts as a skipped step
+        self._nonfinite_run = 0 if control[0] != 0.0 or count == 0 else self._nonfinite_run + 1
         t_end = time.perf_counter()
         self._step_time = t_end - self._t_step
         self.world.watch.note_step(self._step_time / max(steps, 1))
@@ -716,8 +719,10 @@ class Job:
                                          "loader yields")
         self._async_work = None
 
-    def _send_async_update(self) -> None:
+    def _send_async_update(self, clip_grad_norm: Optional[float]) -> None:
         worker, work, t0 = self._async_work
+        if clip_grad_norm is not None:  # each update's gradient, as each step's
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_grad_norm)
         compute = time.perf_counter() - t0
         self._own_compute = max(0.0, compute - self._slept)
         try:
@@ -725,13 +730,17 @@ class Job:
         finally:
             self._step_open = False
 
-    def _apply_async_update(self, samples: int, batch: int) -> None:
+    def _apply_async_update(self, samples: int, batch: int, step: int) -> None:
         """The aggregator's application of ``samples`` samples' aggregated gradient (set
-        in ``.grad``): the job's optimizer at the rate scaled by samples / batch."""
+        in ``.grad``) as part of global batch ``step``: the job's optimizer at that step's
+        rate (a ramp moves it within a round) scaled by samples / batch."""
         inner = self.optimizer.optimizer
+        h = self.state.hyper
+        rate = h.lr_at(step) if h.ramp is not None else h.lr
+        factor = rate / self.state.applied_lr * samples / batch
         rates = [g["lr"] for g in inner.param_groups]
         for g, lr in zip(inner.param_groups, rates):
-            g["lr"] = lr * samples / batch
+            g["lr"] = lr * factor
         try:
             inner.step()
         finally:
@@ -753,7 +762,7 @@ class Job:
                 values[1 + size + w] = compute
                 values[1 + 2 * size + w] = max(0.0, per_update - compute)
                 values[1 + 3 * size + w] = report.trained.get(w, 0)
-            values[1] = report.round_s / max(report.versions, 1)
+            values[1] = report.round_s / max(report.applications, 1)
             stop_file = self.options.stop_file
             values[-2] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
         values[-1] = 1.0 if self.stop_signals is not None and self.stop_signals.received else 0.0
@@ -764,7 +773,8 @@ class Job:
         the job's totals, and the samples each applied update trained on."""
         st = self.state
         totals = self._async_totals
-        for key in ("applied_updates", "dropped_updates", "versions", "pulls"):
+        for key in ("applied_updates", "dropped_updates", "nonfinite_updates", "applications",
+                    "pulls"):
             totals[key] = totals.get(key, 0) + getattr(report, key)
         totals["rounds"] = totals.get("rounds", 0) + 1
         for name in ("delays_applied", "delays_dropped"):
@@ -810,7 +820,7 @@ class Job:
                 scaled.backward()
             self._micro_left -= 1
             if self._micro_left == 0:
-                self._send_async_update()
+                self._send_async_update(clip_grad_norm)
             return
         if scaler is not None:
             scaled = scaler.scale(scaled)
@@ -981,7 +991,10 @@ class Job:
         if self._max_steps_reached():
             return False
         every = self.options.checkpoint_every
-        if every and self.options.checkpoint and st.step % every == 0 and self.world.rank == 0:
+        # the steps this boundary closes: one, or a bounded-delay round's
+        closed = max(1, -(-count // st.hyper.batch_size))
+        if every and self.options.checkpoint and self.world.rank == 0 \
+                and st.step // every > (st.step - closed) // every:
             self._save_periodically()
         # A recovery inside a hook or the grow's poll ends the boundary at once: the other
         # survivors may already be in the next step, which every rank then starts afresh
@@ -1117,9 +1130,10 @@ class Job:
                          "cluster_version": self.world.cluster_version})
 
     def _switch_strategy(self, new: Strategy, reason: str) -> None:
-        """Every rank, at a step boundary. Into S-SGD from model averaging the replicas
-        become one again: the plain average of all models, then rank 0's parameters and
-        optimizer state broadcast (so they are bit-identical whatever the reduction order).
+        """Every rank, at a step boundary. Into S-SGD or bounded delay from model averaging
+        the replicas become one again: the plain average of all models, then rank 0's
+        parameters and optimizer state broadcast (so they are bit-identical whatever the
+        reduction order); out of bounded delay rank 0's optimizer state is broadcast.
         A peer dying in these collectives is recovered from like any step's: the plan is
         then dropped and the old strategy kept (the cluster version went up)."""
         from .parallel import broadcast_optimizer_state, broadcast_parameters
@@ -1131,7 +1145,11 @@ class Job:
         version = self.world.cluster_version
         identical = None
         t0 = time.perf_counter()
-        if new.averages_gradients and not old.averages_gradients and self.world.size > 1:
+        # Into ssgd, or into bounded delay (which starts from rank 0's model), from a
+        # strategy whose replicas drift apart: the replicas become one (their average).
+        into_one = new.averages_gradients or new.asynchronous
+        drifting = not (old.averages_gradients or old.asynchronous)
+        if into_one and drifting and self.world.size > 1:
             try:
                 self.optimizer.average_models()
                 broadcast_parameters(list(self.model.parameters()) + list(self.model.buffers()),
@@ -1152,6 +1170,7 @@ class Job:
             except world_mod.PeerFailure as exc:
                 self._recover(exc)
                 return
+            identical = self.replicas_identical() if self.options.check_replicas else None
         st.strategy = new
         self.world.bump_version()
         if self.world.rank == 0:

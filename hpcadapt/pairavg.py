@@ -13,9 +13,13 @@ Consistency: NOCHECK gives no exclusion, so the owner double-buffers. Header wor
 ``k % 2``, then stores ``done = k`` (``Win.Sync`` between, as memory barriers). A reader
 takes ``done = v``, reads slot ``v % 2``, then reads ``started`` again: the slot can only
 have been touched if ``started >= v + 2`` (the owner began a second publication during the
-read), and then it reads again. A fetch never mixes two versions. (In the job a peer
-cannot even get there: it publishes once per step and the step's control reduction, which
-the fetcher enters only after its fetch, keeps it from starting a second step.)
+read), and then it reads again. A fetch never mixes two versions. (Rare in the job: a peer
+publishes once per step, and the fetcher usually finishes its fetch before the step's
+control reduction lets the peer start another; on monitored steps the fetch is finished
+after the gradient allreduce, so two publications during one fetch can happen there, and
+the retry handles them.) Assumed: each aligned 8-byte header word is read whole (true of
+loads from shared memory and of RDMA reads), and ``Win.Sync`` orders the owner's stores
+(it is the window's memory barrier in MPI's unified and separate models alike).
 
 Parameters on a GPU are published and fetched through host copies (the window is host
 memory), one device-to-host copy per step for the publication and one host-to-device copy

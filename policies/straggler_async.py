@@ -8,7 +8,9 @@ in a row: the job switches to ``bounded-delay`` (``--straggler-async-max-delay``
 ``--straggler-async-round-steps``), so the others stop waiting for it. Under bounded delay a
 check is one round; no slow rank for ``patience`` rounds switches back to the strategy it
 left (by name, with that strategy's default settings). A straggler that is rank 0 is
-relieved by the switch itself (it then only aggregates): the job stays asynchronous."""
+relieved by the switch itself (it then only aggregates): the job stays asynchronous. With
+2 ranks only a slow rank 0 switches (else the one worker left would be the straggler,
+training every batch alone); a round in which one rank trained is no evidence either way."""
 
 from __future__ import annotations
 
@@ -66,6 +68,10 @@ class StragglerAsync(Policy):
         slow = self.slow_ranks(snap)
         metrics = {f"compute_time_rank{i}": t for i, t in enumerate(snap.compute_time)}
         if snap.strategy != ASYNC:
+            if snap.world_size < 3:
+                # one worker would be left, the straggler itself, training every batch
+                # alone: only worth it when the straggler is rank 0 (then it aggregates)
+                slow = [r for r in slow if r == 0]
             self.slow_streak = self.slow_streak + 1 if slow else 0
             if self.slow_streak < self.patience:
                 return None
@@ -78,6 +84,9 @@ class StragglerAsync(Policy):
                             strategy=target.to_dict(), metrics=metrics, policy=self.name)
         if self.left is None or self.straggler == 0:
             return None  # asynchronous by the user's choice, or rank 0 relieved by it
+        trained = sum(1 for n in snap.rank_samples if n > 0)
+        if trained < 2:
+            return None  # one worker: nobody to compare it with, no evidence either way
         self.fast_streak = 0 if slow else self.fast_streak + 1
         if self.fast_streak < self.patience:
             return None

@@ -1,7 +1,8 @@
 """Bounded-delay aggregation on real MPI ranks (any size >= 2; the drop test needs 3): every
 sample of a round is applied exactly once and the aggregated update is exactly the
 samples-weighted sum; a worker held back until the model has moved past the bound has its
-update dropped, its samples handed out again, and nothing older than the bound is applied."""
+update dropped, its samples handed out again, and nothing older than the bound is applied
+(delays count global batches applied, not applications)."""
 
 import os
 import tempfile
@@ -36,12 +37,12 @@ def _round(w, samples, batch, max_delay, lr, before_send=None, on_apply=None):
     flat = FlatModel(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     if w.rank == 0:
-        def apply(n):
+        def apply(n, slot):
             for g in opt.param_groups:
                 g["lr"] = lr * n / batch
             opt.step()
             if on_apply is not None:
-                on_apply()
+                on_apply(n)
         report = Aggregator(w, flat, np.arange(samples), global_batch=batch,
                             max_delay=max_delay, apply=apply).run()
         return report, model
@@ -80,11 +81,13 @@ def test_a_held_back_worker_is_dropped_and_its_samples_handed_out_again(w):
         pytest.skip("needs a second worker to move the model on")
     folder = w.comm.bcast(tempfile.mkdtemp(prefix="hpcadapt-bd-") if w.rank == 0 else None)
     moved = os.path.join(folder, "moved")
-    versions = []
+    applied = [0]
+    batch = 6
 
-    def on_apply():
-        versions.append(1)
-        if len(versions) == 3:  # the model is 3 versions past the held-back update's
+    def on_apply(n):
+        applied[0] += n
+        if applied[0] >= 3 * batch and not os.path.exists(moved):
+            # 3 global batches applied: the model is 3 versions past the held-back update's
             with open(moved, "w") as f:
                 f.write("3")
 
@@ -96,7 +99,7 @@ def test_a_held_back_worker_is_dropped_and_its_samples_handed_out_again(w):
             assert time.monotonic() < deadline, "the others never moved the model on"
             time.sleep(0.01)
 
-    report, _ = _round(w, 600, 6, max_delay=1, lr=0.1, before_send=hold_back,
+    report, _ = _round(w, 600, batch, max_delay=1, lr=0.1, before_send=hold_back,
                        on_apply=on_apply)
     w.comm.Barrier()
     if w.rank != 0:
@@ -110,3 +113,4 @@ def test_a_held_back_worker_is_dropped_and_its_samples_handed_out_again(w):
     applied = np.sort(np.concatenate([idx for _, _, idx in report.applied]))
     assert applied.tolist() == list(range(600))  # the dropped samples came back
     assert report.pulls >= 1
+

@@ -154,3 +154,32 @@ def test_a_stop_signal_ends_a_round_saved_and_the_restart_finishes_exactly_once(
     assert set(seen.values()) == {1}  # nothing twice
     last = max(e for e, _ in seen)
     assert all(sum(1 for (e, _) in seen if e == k) == 1438 for k in range(last))
+
+
+def test_a_worker_killed_in_a_round_is_recovered_and_rounds_go_on(tmp_path):
+    """SIGKILL of a joined worker while rounds run: the aggregator and the other worker
+    notice it in their bounded waits, recover at 2 ranks, and rounds go on. The sample log
+    is written by the aggregator when a round completes, so it shows the broken round once
+    (redone): what it checks is that the survivors agreed on the round's start (a wrong
+    cursor would skip or repeat samples)."""
+    import os
+    import signal
+
+    run = Run(tmp_path, 2, ["--strategy", "bounded-delay", "--async-round-steps", "5",
+                            "--max-workers", "3", "--policy", "resize-schedule",
+                            "--resize-schedule-steps", "3:3", "--check-replicas"])
+    run.wait_for("a round at 3 workers", lambda: [
+        r for r in run.rows() if r.get("event") == "bounded-delay" and r["world_size"] == 3])
+    grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]
+             and r["new_size"] == 3][-1]
+    os.kill(grown["pids"][2], signal.SIGKILL)
+    failure = run.wait_for("the failure record", lambda: [
+        r for r in run.rows() if r.get("event") == "failure"])[0]
+    assert failure["recovered"] and failure["dead"] == [2] and failure["world_size"] == 2
+    run.wait_for("rounds at 2 workers after the recovery", lambda: [
+        r for r in run.rows() if r.get("event") == "bounded-delay" and r["world_size"] == 2
+        and r["step"] > failure["step"] + 10])
+    run.stop_file.write_text("stop")
+    assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
+    every_sample_once(run.samples)
+    run.assert_no_process_left()

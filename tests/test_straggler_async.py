@@ -44,10 +44,23 @@ def test_a_persistent_straggler_switches_to_bounded_delay_and_back_when_it_goes(
 
 def test_the_strategy_it_left_is_the_one_it_goes_back_to():
     p = StragglerAsync(patience=1)
-    d = p.after_step(snap([0.01, 0.05], strategy="sma"))
+    d = p.after_step(snap([0.01, 0.01, 0.05], strategy="sma"))
     assert Strategy.from_dict(d.strategy).name == "bounded-delay"
-    d = p.after_step(snap([0.0, 0.02], samples=[0, 30], strategy="bounded-delay"))
+    d = p.after_step(snap([0.0, 0.02, 0.02], samples=[0, 30, 30], strategy="bounded-delay"))
     assert Strategy.from_dict(d.strategy).name == "sma"
+
+
+def test_two_ranks_switch_only_for_a_slow_rank_0_and_never_flip_back():
+    p = StragglerAsync(patience=1)
+    for _ in range(3):  # rank 1 slow: bounded delay would leave it training alone
+        assert p.after_step(snap([0.01, 0.05])) is None
+    d = p.after_step(snap([0.05, 0.01]))
+    assert d is not None and "rank 0" in d.reason
+    q = StragglerAsync(patience=1)
+    q.left, q.straggler = "ssgd", 1  # as if switched: one worker trains, no evidence
+    for _ in range(3):
+        assert q.after_step(snap([0.0, 0.02], samples=[0, 30], strategy="bounded-delay")) \
+            is None
 
 
 def test_rank_0_as_the_straggler_stays_asynchronous():
@@ -67,10 +80,10 @@ def test_a_job_asynchronous_from_the_start_is_left_so():
 
 def test_state_travels_to_a_new_coordinator():
     p = StragglerAsync(patience=1)
-    p.after_step(snap([0.01, 0.05]))
+    p.after_step(snap([0.01, 0.01, 0.05]))
     q = StragglerAsync(patience=1)
     q.load_state_dict(p.state_dict())
-    d = q.after_step(snap([0.0, 0.02], samples=[0, 30], strategy="bounded-delay"))
+    d = q.after_step(snap([0.0, 0.02, 0.02], samples=[0, 30, 30], strategy="bounded-delay"))
     assert Strategy.from_dict(d.strategy).name == "ssgd"
 
 
