@@ -3,7 +3,7 @@ ones, with no slow rank, with one rank's compute slowed 2x and with one rank's l
 (4 ranks, the built-in CNN on digits).
 
 Runs (``STRATEGY/CONDITION``): ``ssgd``, ``sma`` (alpha 0.1), ``local-sgd`` (every 8 steps),
-``pair-avg`` (a random peer's model each step), ``bounded-delay`` (max delay 4, rounds of 20
+``pair-avg`` (a random peer's model each step), ``bounded-delay`` (max delay 1, rounds of 20
 batches: rank 0 aggregates, the others train), and three adaptive ones: ``sync-switch`` (sma
 for the first third of the steps, then ssgd, by the sync-switch policy's schedule),
 ``straggler`` (the straggler policy removes a rank whose compute stays above 1.3x the
@@ -67,10 +67,10 @@ def strategy_flags(name: str, total_steps: int) -> List[str]:
     if name == "pair-avg":
         return ["--strategy", "pair-avg"]
     if name == "bounded-delay":
-        return ["--strategy", "bounded-delay", "--max-delay", "4", "--async-round-steps", "20"]
+        return ["--strategy", "bounded-delay", "--max-delay", "1", "--async-round-steps", "20"]
     if name == "straggler-async":
         return ["--policy", "straggler-async", "--straggler-async-factor", "1.3",
-                "--straggler-async-patience", "5", "--straggler-async-max-delay", "4",
+                "--straggler-async-patience", "5", "--straggler-async-max-delay", "1",
                 "--straggler-async-round-steps", "20"]
     raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
 

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="sma: share of the average pulled in each step, in (0, 1]")
     y.add_argument("--local-sgd-period", type=positive_int, default=8,
                    help="local-sgd: steps between model averages (1 or more)")
-    y.add_argument("--max-delay", type=_non_negative_int, default=4, metavar="D",
+    y.add_argument("--max-delay", type=_non_negative_int, default=1, metavar="D",
                    help="bounded-delay: an update computed on a model more than D versions "
                         "older than the one it would be applied to is dropped (its samples "
                         "are handed out again); a worker pulls the model when its own delay "

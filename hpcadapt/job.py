@@ -70,7 +70,7 @@ class JobOptions:
     strategy: str = "ssgd"
     sma_alpha: float = 0.1
     local_sgd_period: int = 8
-    max_delay: int = 4
+    max_delay: int = 1
     async_round_steps: int = 50
     topology: str = "flat"
     ranks_per_node: Optional[int] = None

@@ -46,7 +46,7 @@ class Strategy:
     name: str = "ssgd"
     sma_alpha: float = 0.1
     period: int = 8
-    max_delay: int = 4
+    max_delay: int = 1
     round_steps: int = 50
 
     def __post_init__(self) -> None:

@@ -33,12 +33,12 @@ class StragglerAsync(Policy):
         Param("factor", float_above(1.0), 1.5, "slower than this times the others' median"),
         Param("patience", positive_int, 5, "checks in a row (steps; rounds when asynchronous) "
                                            "before switching either way"),
-        Param("max-delay", non_negative_int, 4, "the bounded-delay mode's --max-delay"),
+        Param("max-delay", non_negative_int, 1, "the bounded-delay mode's --max-delay"),
         Param("round-steps", positive_int, 20, "the bounded-delay mode's --async-round-steps"),
     )
     reads = ("step", "world_size", "compute_time", "rank_samples")
 
-    def __init__(self, *, factor: float = 1.5, patience: int = 5, max_delay: int = 4,
+    def __init__(self, *, factor: float = 1.5, patience: int = 5, max_delay: int = 1,
                  round_steps: int = 20):
         Strategy(ASYNC, max_delay=max_delay, round_steps=round_steps)  # refuses bad settings
         self.factor, self.patience = factor, patience
