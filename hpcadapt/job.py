@@ -912,10 +912,10 @@ class Job:
             return (factor - 1.0) * seconds
         return 0.0
 
-    # -- control slots: loss, timings, stop votes ride in the last gradient bucket ----------
+    # -- control slots: loss, timings, stop votes (the step's control reduction) ------------
     def _slot_ranks(self) -> int:
-        """Ranks the slots have room for: the most this job can grow to, so that a resize
-        does not have to rebuild the gradient buckets."""
+        """Ranks the slots have room for: the most this job can grow to (the layout stays
+        the same across resizes)."""
         cap = self.elastic.allocator.capacity() if self.elastic is not None else 0
         return max(self.world.size, cap)
 

@@ -1,5 +1,5 @@
 """In-step monitors: gradient noise scale, gradient variance and signal-to-noise ratio, and
-per-rank timings, all computed from values that ride in the gradient buckets.
+per-rank timings, all computed from values that travel in the step's control reduction.
 
 Data-parallel estimator (McCandlish et al. 2018, appendix A), n replicas, local batch b,
 global batch B = n*b, |g_i|^2 the local and |g|^2 the averaged gradient's squared norm:

@@ -4,12 +4,15 @@ Each parameter's ``.grad`` is a view into a flat bucket, so gradients accumulate
 collective reads them and nothing is packed or unpacked. When the last gradient of a bucket
 is ready (a post-accumulate-grad hook), the bucket is scaled by this rank's weight and its
 allreduce starts while backward goes on; ``step()`` waits for the rest and steps the wrapped
-optimizer. The last bucket launched in a step also carries a few extra slots: this rank's
-squared gradient norm and the caller's metrics, so monitoring needs no collective of its own.
+optimizer. Right after the last bucket's launch the step's control values (this rank's
+squared gradient norm on monitored steps, the caller's metrics: loss, timings, stop votes)
+start in a small float64 allreduce of their own on the host, under whatever strategy or
+plane: the monitors and the stop votes never depend on the gradient exchange (KungFu and
+the strategies that keep gradients local need that), at the cost of one tiny collective.
 
 The buckets live on the parameters' device and travel over that device's data plane
-(``hpcadapt.dataplane``: MPI for CPU tensors, NCCL or host-staged for CUDA tensors); the
-step's statistics stay on the device until the one host transfer ``synchronize`` makes.
+(``hpcadapt.dataplane``: MPI for CPU tensors, NCCL or host-staged for CUDA tensors); a
+step's gradient norms reach the host only on monitored steps.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ class GradientStats:
 
     ``local_sqnorm_mean``: sum_i w_i |g_i|^2 over ranks (w_i = this rank's share of the
     global batch); ``global_sqnorm``: |g_avg|^2 of the averaged gradient; ``extras``: the
-    summed metric slots the caller staged."""
+    caller's staged values summed over ranks (the control reduction, in float64)."""
 
     __slots__ = ("local_sqnorm_mean", "global_sqnorm", "extras")
 
@@ -114,6 +117,7 @@ class DistributedOptimizer:
         self._model_avg: Optional[Tuple[List[Bucket], List[List[torch.Tensor]],
                                         List[Handle]]] = None
         self._control: Optional[MPICommunicator] = None
+        self._control_inflight: Optional[Tuple[Handle, np.ndarray]] = None
         self._pairs = None            # pair averaging's window (hpcadapt.pairavg)
         self._pair_failure: Optional[Exception] = None  # raised in synchronize
         self._version = -1
@@ -180,18 +184,18 @@ class DistributedOptimizer:
         self._weight = weight
 
     def stage_extras(self, values: Sequence[float]) -> None:
-        """Values summed over ranks in the coming step's last bucket (``last_stats.extras``)."""
+        """Values summed over ranks in the coming step's control reduction
+        (``last_stats.extras``)."""
         if len(values) != self._extra_slots:
             raise ConfigurationError(
                 f"expected {self._extra_slots} extra values, got {len(values)}")
         self._staged_extras[1:] = torch.as_tensor(values, dtype=torch.float64)
 
     def set_extra_slots(self, n: int) -> None:
-        """Change the number of metric slots (rebuilds the buckets at the next step)."""
+        """Change the number of metric slots (from the next step's control reduction)."""
         if n != self._extra_slots:
             self._extra_slots = int(n)
             self._staged_extras = torch.zeros(n + 1, dtype=torch.float64)
-            self._version = -1
 
     def set_topology(self, topology: str, ranks_per_node: Optional[int] = None) -> None:
         """The allreduce topology over MPI (``hpcadapt.topology``) from the next cluster
@@ -322,15 +326,28 @@ class DistributedOptimizer:
                     offset += k
         self._model_avg = None
 
-    def _control_reduction(self) -> GradientStats:
-        """Gradients stay local: the step's control values (loss, timings, stop votes) in a
-        small allreduce of their own, on the host over MPI (bounded like every wait)."""
+    def _start_control(self, local_sqnorm: float = 0.0) -> None:
+        """The step's control values (loss, timings, stop votes, and on monitored steps this
+        rank's squared gradient norm) in a small float64 allreduce of their own, on the host
+        over MPI, whatever carries the gradients (none: they stay local; NCCL; a topology):
+        the monitors never depend on the gradient exchange."""
         if self._control is None:
             self._control = MPICommunicator(self._world)  # follows the world's resizes
-        values = self._staged_extras.clone()
-        values[0] = 0.0
-        out = self._control.allreduce(values.numpy(), ReduceOp.SUM)
-        return GradientStats(0.0, 0.0, np.asarray(out)[1:self._extra_slots + 1].copy())
+        values = self._staged_extras.numpy().copy()
+        values[0] = local_sqnorm
+        self._control_inflight = (self._control.allreduce_async(values, ReduceOp.SUM), values)
+
+    def _finish_control(self) -> np.ndarray:
+        handle, values = self._control_inflight
+        handle.wait()  # bounded like every wait on a peer
+        self._control_inflight = None
+        return values
+
+    def _control_reduction(self) -> GradientStats:
+        """Gradients stay local: only the control values travel."""
+        self._start_control()
+        out = self._finish_control()
+        return GradientStats(0.0, 0.0, out[1:self._extra_slots + 1].copy())
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -349,7 +366,7 @@ class DistributedOptimizer:
     def _ensure_current(self) -> None:
         if self._version == self._world.cluster_version:
             return
-        if self._buckets and self._buckets[0].bucket.extra == self._extra_slots + 1:
+        if self._buckets:
             # A resize: the buckets stay (they do not depend on the world), the
             # communicator is the new world's.
             self._comm = self._plane.current()
@@ -368,6 +385,9 @@ class DistributedOptimizer:
         if self._model_avg is not None:
             ABANDONED.append(self._model_avg)
             self._model_avg = None
+        if self._control_inflight is not None:
+            ABANDONED.append(self._control_inflight)
+            self._control_inflight = None
         self._release_pairs(abandon=True)
         self._pair_failure = None
         self._buckets = []
@@ -383,7 +403,7 @@ class DistributedOptimizer:
         self._param_offset = {}
         for group in groups:
             members = [params[i] for i in group]
-            bucket = Bucket.for_tensors(members, extra=self._extra_slots + 1)
+            bucket = Bucket.for_tensors(members)
             offset = 0
             for p in members:
                 n = p.numel()
@@ -469,18 +489,17 @@ class DistributedOptimizer:
             # payload holds w * g_i: divide the scale back out of the squared norm
             state.sqnorm = torch.dot(payload, payload) / (w * w) if w > 0 else payload.new_zeros(())
         self._launched += 1
-        extras = bucket.extras
-        if self._launched == len(self._buckets):
-            # Last bucket of this step on this rank: it carries the metric slots (the norm
-            # summed on the device: no host sync in backward).
-            extras.copy_(self._staged_extras)
-            if self.track_grad_norms:
-                norms = [b.sqnorm.double() for b in self._buckets if b.sqnorm is not None]
-                extras[0] = torch.stack(norms).sum() * self._share()
-        else:
-            extras.zero_()
         state.handle = self._comm.allreduce_async(bucket.flat, ReduceOp.SUM)
         state.launched = True
+        if self._launched == len(self._buckets):
+            # Last bucket of this step on this rank (backward is done): the control
+            # values follow in their own reduction. The norm reaches the host only on
+            # monitored steps.
+            local = 0.0
+            if self.track_grad_norms:
+                norms = [b.sqnorm.double() for b in self._buckets if b.sqnorm is not None]
+                local = float(torch.stack(norms).sum()) * self._share()
+            self._start_control(local)
 
     def _share(self) -> float:
         return self._weight if self._weight is not None else 1.0 / self._world.size
@@ -506,20 +525,15 @@ class DistributedOptimizer:
                     if p not in self._ready:
                         self._take_gradient(p, ready=False)
                 self._launch(state)
-        extras = None
         squares = []
         for state in self._buckets:
             state.handle.wait()
-            ex = state.bucket.extras.double()
-            extras = ex if extras is None else extras + ex
             if self.track_grad_norms:
                 payload = state.bucket.payload
                 squares.append(torch.dot(payload, payload).double())
-        if squares:
-            extras = torch.cat([extras, torch.stack(squares).sum().reshape(1)])
-        # the step's one transfer to the host (a sync on a GPU)
-        host = extras.cpu().numpy()
-        global_sq = float(host[-1]) if squares else 0.0
+        host = self._finish_control()
+        # a monitored step's one transfer of gradient data to the host (a sync on a GPU)
+        global_sq = float(torch.stack(squares).sum()) if squares else 0.0
         self.last_stats = GradientStats(float(host[0]), global_sq,
                                         host[1:self._extra_slots + 1].copy())
         if self._model_avg is not None:

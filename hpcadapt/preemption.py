@@ -2,9 +2,9 @@
 
 Slurm sends USR1 (or whichever signal ``#SBATCH --signal=SIG@T`` names) some seconds before a
 time limit, and TERM before it kills a job (``scancel``, preemption). A handler only notes
-the signal; the training then agrees on it at the next step boundary (the flag rides in the
-gradient allreduce, so every rank stops at the same step), saves its state and exits with
-``EXIT_REQUEUE`` so that the job script can requeue the job."""
+the signal; the training then agrees on it at the next step boundary (the flag travels in
+the step's control reduction, so every rank stops at the same step), saves its state and
+exits with ``EXIT_REQUEUE`` so that the job script can requeue the job."""
 
 from __future__ import annotations
 

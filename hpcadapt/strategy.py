@@ -16,9 +16,8 @@
   on a model more than ``max_delay`` versions old is dropped and its samples handed out
   again (``hpcadapt.bounded``).
 
-The strategies that do not average gradients leave the step's control values (loss, timings,
-stop votes) without the gradient buckets to ride in: they travel in a small reduction of their
-own. On monitored steps the gradients are averaged all the same, so the noise-scale statistics
+The step's control values (loss, timings, stop votes) travel in a small reduction of their
+own under every strategy. On monitored steps the gradients are averaged all the same, so the noise-scale statistics
 can be measured; under SMA the replicas then sit at slightly different parameters, which adds
 their drift to the measured spread (the noise scale reads high). The evaluated, saved and
 final model is rank 0's replica. A pure value type; ``DistributedOptimizer`` applies it."""

@@ -1,7 +1,7 @@
 """``straggler``: find a rank that stays slower than the others and replace or remove it.
 
-From the per-rank compute times that ride in the gradient buckets (forward and backward
-only: waiting for communication is not the rank's own slowness), a rank counts as slow at a
+From the per-rank compute times that travel in the step's control reduction (forward and
+backward only: waiting for communication is not the rank's own slowness), a rank counts as slow at a
 step when its time exceeds ``factor`` times the median of the others. Slow for ``patience``
 checks in a row, it is removed; with ``--straggler-action replace`` a fresh worker is then
 requested to restore the size. Rank 0 coordinates and is never removed (it is logged)."""

@@ -61,7 +61,7 @@ def test_gradient_is_the_weighted_average_and_replicas_stay_identical(w, bucket_
     opt.remove_hooks()
 
 
-def test_gradient_statistics_ride_in_the_buckets(w):
+def test_gradient_statistics_travel_in_the_control_reduction(w):
     model = nn.Linear(5, 1, bias=False)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                model.named_parameters(), world=w, extra_slots=2,
@@ -80,6 +80,19 @@ def test_gradient_statistics_ride_in_the_buckets(w):
     assert stats.global_sqnorm == pytest.approx(5 * avg ** 2)
     assert stats.extras.tolist() == pytest.approx([n, sum(range(n))])
     assert torch.allclose(model.weight.grad, torch.full((1, 5), avg))
+    opt.remove_hooks()
+
+
+def test_control_values_are_summed_in_float64_beside_float32_gradients(w):
+    # 2**24 + 1 has no float32 twin: in a float32 gradient bucket the sum would round
+    model = nn.Linear(3, 1, bias=False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               model.named_parameters(), world=w, extra_slots=1)
+    opt.zero_grad()
+    opt.stage_extras([2.0 ** 24 + 1])
+    model(torch.ones(1, 3)).sum().backward()
+    stats = opt.synchronize()
+    assert stats.extras[0] == w.size * (2.0 ** 24 + 1)
     opt.remove_hooks()
 
 
