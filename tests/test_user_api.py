@@ -1,6 +1,7 @@
 """The public API from a user's own script (examples/mnist1d_adamw.py: own 1-D CNN, own
 Dataset through a loader with worker processes, AdamW, own loss, EMA weights and a counter
-as extra state) on real MPI ranks: policies, resizes, preemption, failure, bad input."""
+as extra state) on real MPI ranks: policies, resizes, preemption, failure, bad input, and
+the asynchronous strategies (pair averaging, bounded delay)."""
 
 from __future__ import annotations
 
@@ -300,3 +301,24 @@ def test_mixed_precision_with_a_gradient_scaler_trains_and_monitors_like_full_pr
     assert "not finite" not in over_err and "non-finite" not in over_err, over_err[-2000:]
     assert all(math.isfinite(s["monitors"]["noise_scale"]) for s in over_steps
                if s["monitors"].get("noise_scale") is not None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["pair-avg", "bounded-delay"])
+def test_own_script_trains_under_the_asynchronous_strategies(tmp_path, strategy):
+    """The user's loop is the same under pair averaging and bounded-delay rounds (rank 0 then
+    aggregates and its loader yields nothing during a round; the others' loaders read the
+    batches the aggregator hands out, through the loader's worker processes' dataset)."""
+    m = tmp_path / "m.jsonl"
+    proc = run_mpi(3, [EXAMPLE, "--epochs", "2", "--strategy", strategy, "--metrics-file",
+                       str(m), "--no-progress", "--sample-log", str(tmp_path / "s")],
+                   timeout=600)
+    assert_exactly_once(samples(tmp_path / "s"), 2)
+    s = summary_of(proc.stdout)
+    assert s["epochs"] == 2 and s["final_test_accuracy"] > 0.3  # chance is 0.1
+    rounds = [r for r in metrics(m) if r["event"] == "bounded-delay"]
+    if strategy == "bounded-delay":
+        assert rounds and s["bounded_delay"]["applied_updates"] > 0
+        assert max(int(d) for d in s["bounded_delay"]["delays_applied"]) <= 1
+    else:
+        assert not rounds and "bounded_delay" not in s
