@@ -751,7 +751,7 @@ class Job:
         """The control slots of a round: rank 0 fills the loss and each worker's mean time
         per update (its own compute slot stays 0: it trained nothing), every rank its stop
         signal, rank 0 the stop file."""
-        size, rank = self._slot_ranks(), self.world.rank
+        size = self._slot_ranks()
         values = np.zeros(self._extra_slots())
         if report is not None:
             values[0] = report.loss_sum

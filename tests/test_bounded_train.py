@@ -13,23 +13,14 @@ import pytest
 
 from conftest import ROOT, mpiexec
 from test_failure import Run, every_sample_once
+from test_strategies_train import TRAIN, _train as train
 
 pytestmark = pytest.mark.slow
 
-TRAIN = ["-m", "hpcadapt.train", "--no-progress", "--batch-size", "32", "--lr", "0.05",
-         "--seed", "0", "--threads", "1"]
-
 
 def _train(tmp_path, name, flags, epochs=8, ranks=3):
-    metrics = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable] + TRAIN +
-                          ["--epochs", str(epochs), "--metrics-file", str(metrics),
-                           "--sample-log", str(tmp_path / f"{name}-samples")] + flags,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return summary, rows
+    """Digits on 3 ranks by default: rank 0 aggregates, two workers train."""
+    return train(tmp_path, name, flags, epochs=epochs, ranks=ranks)
 
 
 def test_bounded_delay_with_a_slowed_rank_bounds_delays_and_matches_ssgd(tmp_path):
