@@ -19,6 +19,7 @@ _HOMES = {
                   "broadcast_object_state"],
     ".sampler": ["ElasticSampler"],
     ".job": ["Job", "JobOptions"],
+    ".strategy": ["Strategy", "STRATEGIES"],
     ".loader": ["ElasticDataLoader"],
     ".args": ["add_arguments"],
     ".preemption": ["block_stop_signals", "EXIT_REQUEUE"],

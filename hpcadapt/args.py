@@ -243,6 +243,16 @@ def warn_unused_policy_flags(args: argparse.Namespace) -> List[str]:
         if given:
             messages.append(f"{', '.join(given)} given without --policy {name}: ignored "
                             f"(add --policy {name} to use it)")
+    if getattr(args, "strategy", "ssgd") != "bounded-delay":  # (sync-switch: its own flags)
+        for flag, default in (("max_delay", 1), ("async_round_steps", 50)):
+            if getattr(args, flag, default) != default:
+                messages.append(f"--{flag.replace('_', '-')} given without --strategy "
+                                f"bounded-delay: ignored")
+    if getattr(args, "slow_rank", None) is None:
+        for flag in ("slow_compute", "slow_comm"):
+            if getattr(args, flag, 1.0) != 1.0:
+                messages.append(f"--{flag.replace('_', '-')} given without --slow-rank: "
+                                f"ignored (name the rank to slow)")
     rule = getattr(args, "lr_rule", "none")
     if rule == "none":
         for p in RULE_PARAMS:

@@ -251,6 +251,10 @@ class Job:
         global _active_job
         _active_job = self
         setup_logging(lambda: self.world.rank)
+        most = max(self.world.size, o.max_workers or 0, o.initial_workers or 0)
+        if o.slow_rank is not None and o.slow_rank >= most and self.world.rank == 0:
+            log.warning("--slow-rank %d: the job has at most %d worker(s), so no rank is "
+                        "slowed", o.slow_rank, most)
         # Every wait on a peer is bounded (runtime.PeerWatch); a stop signal is seen there.
         self.world.watch.floor = o.peer_timeout
         self.world.watch.stop_flag = lambda: bool(self.stop_signals is not None

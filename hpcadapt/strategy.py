@@ -37,10 +37,11 @@ STRATEGIES = ("ssgd", "sma", "local-sgd", "pair-avg", "bounded-delay")
 
 @dataclass(frozen=True)
 class Strategy:
-    """A strategy and its settings: ``sma_alpha`` in (0, 1] (SMA's pull towards the
-    average), ``period`` >= 1 (local SGD's steps between averages), ``max_delay`` >= 0 and
-    ``round_steps`` >= 1 (bounded-delay's oldest model version an update may be computed
-    on, counted in versions, and global batches per asynchronous round)."""
+    """A strategy and its settings (``hpcadapt.Strategy``): ``sma_alpha`` in (0, 1] (SMA's
+    pull towards the average; flag ``--sma-alpha``), ``period`` >= 1 (local SGD's steps
+    between averages; ``--local-sgd-period``), ``max_delay`` >= 0 (bounded delay: the most
+    versions an applied update may be behind; ``--max-delay``) and ``round_steps`` >= 1
+    (bounded delay: global batches per round; ``--async-round-steps``)."""
 
     name: str = "ssgd"
     sma_alpha: float = 0.1
@@ -120,4 +121,4 @@ class Strategy:
         if self.name == "bounded-delay":
             return (f"bounded-delay (max delay {self.max_delay}, rounds of "
                     f"{self.round_steps} batches)")
-        return "ssgd"
+        return self.name

@@ -14,6 +14,7 @@ training every batch alone); a round in which one rank trained is no evidence ei
 
 from __future__ import annotations
 
+import logging
 import statistics
 from typing import Any, Dict, List, Optional
 
@@ -23,6 +24,8 @@ from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import float_above, non_negative_int, positive_int
 
 __all__ = ["StragglerAsync"]
+
+log = logging.getLogger(__name__)
 
 ASYNC = "bounded-delay"
 
@@ -48,6 +51,7 @@ class StragglerAsync(Policy):
         self.fast_streak = 0     # checks in a row without one (while asynchronous)
         self.left: Optional[str] = None      # the strategy it switched away from
         self.straggler: Optional[int] = None  # the rank that made it switch
+        self._said_two = False
 
     def slow_ranks(self, snap: MetricsSnapshot) -> List[int]:
         """Ranks slower than ``factor`` x the median of the other ranks that trained."""
@@ -71,6 +75,11 @@ class StragglerAsync(Policy):
             if snap.world_size < 3:
                 # one worker would be left, the straggler itself, training every batch
                 # alone: only worth it when the straggler is rank 0 (then it aggregates)
+                if any(r != 0 for r in slow) and not self._said_two:
+                    self._said_two = True
+                    log.info("straggler-async: rank %s is slow, but with 2 ranks bounded "
+                             "delay would leave it training alone: no switch",
+                             ", ".join(str(r) for r in slow if r != 0))
                 slow = [r for r in slow if r == 0]
             self.slow_streak = self.slow_streak + 1 if slow else 0
             if self.slow_streak < self.patience:

@@ -4,8 +4,8 @@ adaptive SGD: model averaging early, S-SGD once the gradients say so or the clus
 Triggers, any combination: a schedule of ``STEP:STRATEGY`` points; the noise scale reaching
 a threshold (a large noise scale means large batches still help: averaging gradients exactly
 then pays); the world reaching a size. A trigger switches to ``--sync-switch-to`` once; the
-schedule's points apply in order. The strategies' own settings (``--sma-alpha``,
-``--local-sgd-period``) come with the decision."""
+schedule's points apply in order. The strategies' own settings come with the decision
+(``--sync-switch-sma-alpha``, ``-period``, ``-max-delay``, ``-round-steps``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hpcadapt.errors import ConfigurationError
 from hpcadapt.strategy import STRATEGIES, Strategy
 
 from .base import Decision, MetricsSnapshot, Param, Policy
-from .params import choice, positive_float, positive_int, step_map
+from .params import choice, non_negative_int, positive_float, positive_int, step_map
 
 __all__ = ["SyncSwitch"]
 
@@ -32,23 +32,27 @@ class SyncSwitch(Policy):
         Param("workers", positive_int, None, "switch once the job has this many workers"),
         Param("sma-alpha", positive_float, 0.1, "sma's pull towards the average, in (0, 1]"),
         Param("period", positive_int, 8, "local-sgd's steps between model averages"),
+        Param("max-delay", non_negative_int, 1, "bounded-delay's --max-delay"),
+        Param("round-steps", positive_int, 50, "bounded-delay's --async-round-steps"),
     )
     reads = ("step", "world_size", "noise_scale")
 
     def __init__(self, *, steps: List[Tuple[int, str]] = (), to: str = "ssgd",
                  noise_scale: Optional[float] = None, workers: Optional[int] = None,
-                 sma_alpha: float = 0.1, period: int = 8):
+                 sma_alpha: float = 0.1, period: int = 8, max_delay: int = 1,
+                 round_steps: int = 50):
         if not steps and noise_scale is None and workers is None:
             raise ConfigurationError(
                 "--policy sync-switch needs a trigger: --sync-switch-steps 200:ssgd, "
                 "--sync-switch-noise-scale N or --sync-switch-workers K")
-        Strategy(to, sma_alpha, period)  # refuses bad settings now, not at the switch
+        Strategy(to, sma_alpha, period, max_delay, round_steps)  # refused now, not later
         self.steps = list(steps)
         self.to = to
         self.noise_scale = noise_scale
         self.workers = workers
         self.sma_alpha = sma_alpha
         self.period = period
+        self.max_delay, self.round_steps = max_delay, round_steps
         # The noise scale needs the gns monitor; every 10th step (a monitored step averages
         # the gradients whatever the strategy, so every step would make it S-SGD).
         self.requires = ("gns",) if noise_scale is not None else ()
@@ -62,7 +66,7 @@ class SyncSwitch(Policy):
                 ) -> Optional[Decision]:
         if name == current:
             return None
-        target = Strategy(name, self.sma_alpha, self.period)
+        target = Strategy(name, self.sma_alpha, self.period, self.max_delay, self.round_steps)
         return Decision(reason=f"{why}: {current} -> {target.describe()}",
                         strategy=target.to_dict(), policy=self.name, metrics=metrics)
 

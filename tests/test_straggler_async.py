@@ -4,6 +4,8 @@ in a round, is left out of the comparison); no straggler for patience rounds swi
 to the strategy it left; rank 0 as the straggler keeps the job asynchronous; its state
 survives a coordinator change; bad settings are refused in one line."""
 
+import logging
+
 import pytest
 
 from hpcadapt.errors import ConfigurationError
@@ -50,10 +52,12 @@ def test_the_strategy_it_left_is_the_one_it_goes_back_to():
     assert Strategy.from_dict(d.strategy).name == "sma"
 
 
-def test_two_ranks_switch_only_for_a_slow_rank_0_and_never_flip_back():
+def test_two_ranks_switch_only_for_a_slow_rank_0_and_never_flip_back(caplog):
     p = StragglerAsync(patience=1)
-    for _ in range(3):  # rank 1 slow: bounded delay would leave it training alone
-        assert p.after_step(snap([0.01, 0.05])) is None
+    with caplog.at_level(logging.INFO, logger="hpcadapt.policies.straggler_async"):
+        for _ in range(3):  # rank 1 slow: bounded delay would leave it training alone
+            assert p.after_step(snap([0.01, 0.05])) is None
+    assert sum("with 2 ranks" in r.getMessage() for r in caplog.records) == 1  # said once
     d = p.after_step(snap([0.05, 0.01]))
     assert d is not None and "rank 0" in d.reason
     q = StragglerAsync(patience=1)

@@ -103,3 +103,28 @@ def test_bounded_delay_settings_are_checked_and_travel():
     with pytest.raises(ConfigurationError, match="--async-round-steps 0"):
         Strategy("bounded-delay", round_steps=0)
     assert "max delay 0" in s.describe()
+
+
+def test_every_strategy_names_itself_and_is_public():
+    import hpcadapt
+
+    assert hpcadapt.Strategy is Strategy
+    for name in STRATEGIES:
+        assert Strategy(name).describe().startswith(name)
+
+
+def test_strategy_flags_that_do_nothing_are_named():
+    from hpcadapt.args import warn_unused_policy_flags
+    from hpcadapt.train import build_parser
+
+    parse = build_parser().parse_args
+    assert warn_unused_policy_flags(parse(["--max-delay", "3"])) == [
+        "--max-delay given without --strategy bounded-delay: ignored"]
+    assert warn_unused_policy_flags(parse(["--strategy", "bounded-delay", "--max-delay", "3",
+                                           "--async-round-steps", "5"])) == []
+    assert any("--slow-comm given without --slow-rank" in m
+               for m in warn_unused_policy_flags(parse(["--slow-comm", "2"])))
+    s = SyncSwitch(steps=[(5, "bounded-delay")], max_delay=3, round_steps=7)
+    d = s.after_step(_snap(5))
+    assert Strategy.from_dict(d.strategy) == Strategy("bounded-delay", max_delay=3,
+                                                      round_steps=7)
