@@ -449,8 +449,8 @@ class Job:
             if self.elastic is not None:
                 self.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
-                log.info("training on %d workers, global batch %d, policies: %s",
-                         self.world.size, hyper.batch_size,
+                log.info("training on %d workers, global batch %d, strategy %s, policies: %s",
+                         self.world.size, hyper.batch_size, self.state.strategy.describe(),
                          ", ".join(p.name for p in self.engine.policies) or "none")
         return self
 
@@ -496,6 +496,16 @@ class Job:
                 if path and not error:
                     error = _unwritable(flag, path)
         self._agree(error)
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current world (it changes when the world does)."""
+        return self.world.rank
+
+    @property
+    def size(self) -> int:
+        """The number of workers now."""
+        return self.world.size
 
     @property
     def step_count(self) -> int:
@@ -1907,7 +1917,7 @@ class Job:
                         "batch_size": st.hyper.batch_size, "lr": st.hyper.lr,
                         "left": self.left, "cluster_version": self.world.cluster_version,
                         "resizes": self.resizes, "stopped": self.stopped,
-                        "model_digest": self.model_digest(),
+                        "strategy": st.strategy.name, "model_digest": self.model_digest(),
                         **({"bounded_delay": self._async_totals}
                            if self._async_totals else {})})
 

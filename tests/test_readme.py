@@ -136,3 +136,12 @@ def test_the_checkpoint_command_stops_on_usr1_and_resumes(folder):
         in again.stderr
     assert _summary(again.stdout)["steps"] == stopped["steps"] + 20
     assert not (folder / "state.ckpt").exists()
+
+
+@pytest.mark.slow
+def test_the_strategy_command_trains_in_bounded_delay_rounds(folder):
+    proc = _run(_command("--strategy bounded-delay"), folder)
+    s = _summary(proc.stdout)
+    assert s["strategy"] == "bounded-delay" and s["epochs"] == 3
+    assert s["bounded_delay"]["rounds"] >= 3 and s["bounded_delay"]["applied_updates"] > 0
+    assert "strategy bounded-delay" in proc.stderr
