@@ -701,7 +701,7 @@ class Job:
         st.step += steps
         self._read_control(control, count)
         # only finite updates were applied: a round with none counts as a skipped step
-        self._nonfinite_run = 0 if control[0] != 0.0 or count == 0 else self._nonfinite_run + 1
+        self._nonfinite_run = 0 if math.isfinite(self.last_loss) else self._nonfinite_run + 1
         t_end = time.perf_counter()
         self._step_time = t_end - self._t_step
         self.world.watch.note_step(self._step_time / max(steps, 1))
@@ -768,7 +768,9 @@ class Job:
         size = self._slot_ranks()
         values = np.zeros(self._extra_slots())
         if report is not None:
-            values[0] = report.loss_sum
+            # a round in which every update was non-finite reads as a non-finite loss
+            nothing = report.nonfinite_updates and not report.applied_updates
+            values[0] = float("nan") if nothing else report.loss_sum
             for w, n in report.updates.items():
                 per_update = report.round_s / n
                 compute = report.compute_s.get(w, 0.0) / n
@@ -786,6 +788,10 @@ class Job:
         """Rank 0: the round's line in the metrics (updates applied and dropped, delays),
         the job's totals, and the samples each applied update trained on."""
         st = self.state
+        if report.nonfinite_updates:
+            log.warning("steps %d-%d: %d update(s) with a non-finite loss or gradient skipped "
+                        "(their samples count as used)", step0, st.step - 1,
+                        report.nonfinite_updates)
         totals = self._async_totals
         for key in ("applied_updates", "dropped_updates", "nonfinite_updates", "applications",
                     "pulls"):

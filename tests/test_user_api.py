@@ -254,6 +254,18 @@ def test_a_non_finite_loss_on_one_rank_skips_that_step_everywhere(tmp_path):
     assert run_a["params"] != clean["params"]  # two updates fewer
 
 
+def test_a_non_finite_update_in_a_bounded_delay_round_is_skipped(tmp_path):
+    # 2 ranks: rank 1 is the one worker; rounds of one global batch, one update each
+    m = tmp_path / "m.jsonl"
+    run = _fine_print(tmp_path, "bd-nan", ["--strategy", "bounded-delay", "--async-round-steps",
+                                           "1", "--nan-at", "3", "--metrics-file", str(m)])
+    assert run["summary"]["stopped"] is None
+    assert all(x == x for p in run["params"] for x in p)
+    rounds = [r for r in metrics(m) if r["event"] == "bounded-delay"]
+    assert [r["step"] for r in rounds if r["nonfinite_updates"]] == [4]  # the round of step 3
+    assert sum(r["nonfinite_updates"] for r in rounds) == 1
+
+
 @pytest.mark.slow
 def test_a_diverging_run_stops_with_the_last_good_state_and_is_not_requeued(tmp_path):
     ckpt = tmp_path / "c.ckpt"
