@@ -282,10 +282,19 @@ def test_twenty_joined_workers_killed_and_replaced_in_one_job_never_hang(tmp_pat
                             "--check-replicas"])
     kills = 20
     for i in range(kills):
-        run.wait_for(f"the world of 3 again after {i} kills", lambda: _regrown(run.rows(), i))
-        _kill_a_joined_worker(run, 3)
-        run.wait_for(f"failure record {i + 1}", lambda: len(
-            [r for r in run.rows() if r.get("event") == "failure"]) == i + 1)
+        try:
+            run.wait_for(f"the world of 3 again after {i} kills",
+                         lambda: _regrown(run.rows(), i))
+            _kill_a_joined_worker(run, 3)
+            run.wait_for(f"failure record {i + 1}", lambda: len(
+                [r for r in run.rows() if r.get("event") == "failure"]) == i + 1)
+        except AssertionError:
+            if run.proc.poll() in (11, 139):
+                # Known, not hpcadapt's and not a hang: MPICH 5.0.2 crashes (SIGSEGV) in a
+                # survivor after a peer's death, about 1 kill in 20-80 (README, issue 12).
+                run.assert_no_process_left()
+                pytest.xfail(f"MPICH 5.0.2 crashed (SIGSEGV) in a survivor at kill {i + 1}")
+            raise
     run.wait_for("a step after the last replacement", lambda: [
         s for s in run.steps()[-1:] if s["world_size"] == 3
         and s["step"] > [r for r in run.rows() if r.get("event") == "failure"][-1]["step"]])
