@@ -561,39 +561,14 @@ class Job:
         st = self._require_setup()
         while not st.sampler.epoch_done and not self._over():
             self._recovered = False  # a recovery in an epoch hook needs no redo
-            if st.strategy.asynchronous and self.world.size > 1:
-                count = yield from self._async_round()
-                if self._recovered:
-                    self._recovered = False
-                    continue
-                going_on = self._boundary(count, round_end=True)
-                if self._recovered:
-                    self._recovered = False
-                    continue
-                if self.left:
-                    self._leave()
-                if not going_on:
-                    break
-                continue
-            part, micro = self._begin_step()
-            if not micro:
-                self._stage_control()
-                self._finish_step()
-            for i, indices in enumerate(micro):
-                batch = self.loader.next_batch(indices)
-                self._micro_left = len(micro) - i
-                self._micro_share = len(indices) / len(part.indices)
-                self._micro_n = len(indices)
-                yield batch
-                if self._micro_left == len(micro) - i:
-                    raise ConfigurationError("call job.step(loss) once for every batch the "
-                                             "loader yields")
+            rounds = st.strategy.asynchronous and self.world.size > 1
+            count = yield from (self._async_round() if rounds else self._sync_step())
             if self._recovered:
-                # A peer died during this step: the survivors took the state of the one
-                # furthest on; the step from the cursor is trained (again) at the new size.
+                # A peer died during this step (round): the survivors took the state of the
+                # one furthest on; the step from the cursor is trained (again) at the new size.
                 self._recovered = False
                 continue
-            going_on = self._boundary(part.global_count)
+            going_on = self._boundary(count, round_end=rounds)
             if self._recovered:
                 self._recovered = False  # the boundary was cut short by a recovery
                 continue
@@ -601,6 +576,28 @@ class Job:
                 self._leave()
             if not going_on:
                 break
+
+    def _sync_step(self) -> Iterator[Any]:
+        """One synchronous step's (micro-)batches; returns the step's global sample count."""
+        part, micro = self._begin_step()
+        if not micro:
+            self._stage_control()
+            self._finish_step()
+        yield from self._yield_micro(micro, len(part.indices), self.loader.next_batch)
+        return part.global_count
+
+    def _yield_micro(self, micro, total: int, load) -> Iterator[Any]:
+        """The micro-batches of one share of ``total`` samples, each loaded by ``load``;
+        ``job.step(loss)`` must come once after each."""
+        for i, indices in enumerate(micro):
+            batch = load(indices)
+            self._micro_left = len(micro) - i
+            self._micro_share = len(indices) / total
+            self._micro_n = len(indices)
+            yield batch
+            if self._micro_left == len(micro) - i:
+                raise ConfigurationError("call job.step(loss) once for every batch the "
+                                         "loader yields")
 
     def _follow_ramp(self) -> None:
         """The rate of this step (a batch change's ramp moves it), set on the optimizer."""
@@ -722,15 +719,7 @@ class Job:
         self._slept = self._slow_down(o.slow_compute, self._own_compute)
         self._loss_sum = 0.0
         self._step_open = True
-        for i, indices in enumerate(micro):
-            batch = self.loader.load(indices)
-            self._micro_left = len(micro) - i
-            self._micro_share = len(indices) / len(work.indices)
-            self._micro_n = len(indices)
-            yield batch
-            if self._micro_left == len(micro) - i:
-                raise ConfigurationError("call job.step(loss) once for every batch the "
-                                         "loader yields")
+        yield from self._yield_micro(micro, len(work.indices), self.loader.load)
         self._async_work = None
 
     def _send_async_update(self, clip_grad_norm: Optional[float]) -> None:
