@@ -58,18 +58,26 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 600,
     pytest.fail(f"no {what} within {timeout} s")
 
 
+def complete_rows(path: Path) -> List[dict]:
+    """The records of a JSON-lines file another process may be writing: only lines ended by
+    a newline (a long record reaches the file in more than one write)."""
+    import json
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line]
+
+
 def grow_and_shrink(tmp_path: Path, flags: List[str]) -> List[dict]:
     """``python -m hpcadapt.train FLAGS`` on one rank that grows to 2 and shrinks back to 1
     (local allocator), stopped by its stop file once the metrics show both resizes; checks
     that both succeeded with identical replicas and returns the metrics rows."""
-    import json
-
     metrics, stop, err = tmp_path / "grow.jsonl", tmp_path / "STOP", tmp_path / "grow.err"
 
     def rows():
-        if not metrics.exists():
-            return []
-        return [json.loads(line) for line in metrics.read_text().splitlines() if line]
+        return complete_rows(metrics)
 
     def resizes():
         return [(r["old_size"], r["new_size"], r["ok"]) for r in rows()

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, mpiexec
+from conftest import ROOT, complete_rows, mpiexec
 from procs import alive, processes_mentioning, python_ranks, zombie_children
 
 pytestmark = pytest.mark.slow
@@ -51,15 +51,7 @@ class Run:
         self.known_pids = set()
 
     def rows(self):
-        if not self.metrics.exists():
-            return []
-        out = []
-        for line in self.metrics.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a line being written
-        return out
+        return complete_rows(self.metrics)
 
     def stderr(self):
         return self.err_path.read_text()

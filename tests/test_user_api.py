@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpiexec, run_mpi, wait_for
+from conftest import ROOT, complete_rows, mpiexec, run_mpi, wait_for
 
 EXAMPLE = str(ROOT / "examples" / "mnist1d_adamw.py")
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -91,7 +91,7 @@ def test_own_script_grows_and_shrinks_with_identical_replicas(tmp_path):
                                 cwd=ROOT, text=True, stdout=out_f, stderr=err_f)
 
     def shrunk_and_trained_on():
-        rows = _rows(m)
+        rows = complete_rows(m)
         done = [r for r in rows if r["event"] == "resize" and r["new_size"] == 2]
         return done and sum(1 for r in rows if r["event"] == "step"
                             and r["step"] > done[0]["step"]) >= 10
@@ -110,14 +110,6 @@ def test_own_script_grows_and_shrinks_with_identical_replicas(tmp_path):
     assert "joined as rank 2 of 3" in err
     assert_at_most_once_full_epochs(samples(tmp_path / "s"))
     assert summary_of(out)["steps"] == max(r["step"] for r in metrics(m) if r["event"] == "step")
-
-
-def _rows(path) -> list:
-    """The complete lines of a metrics file that is still being written."""
-    if not path.exists():
-        return []
-    text = path.read_text(encoding="utf-8")
-    return [json.loads(l) for l in text[:text.rfind("\n") + 1].splitlines() if l]
 
 
 def _rank_pid(folder, rank):
