@@ -116,8 +116,8 @@ def torchrun_restart(hidden, tmp):
     def rows():
         if not os.path.exists(log):
             return []
-        with open(log) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        with open(log) as f:  # the workers are writing it: complete lines only
+            return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
     first = agent(1)
     deadline = time.time() + 600
