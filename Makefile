@@ -46,7 +46,7 @@ demo: $(STAMP)
 test: $(STAMP) test-unit test-mpi
 
 test-unit: $(STAMP)
-	$(TIMEOUT) 2400 $(PYTEST) -q --timeout=600 tests
+	$(TIMEOUT) 2400 $(PYTEST) -q --timeout=600 --durations=20 tests
 
 test-mpi: $(STAMP)
 	$(TIMEOUT) 600 $(MPIEXEC) -n 2 $(PYTEST) -q --with-mpi -m mpi --timeout=300 tests

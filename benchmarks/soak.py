@@ -345,6 +345,8 @@ class Soak:
         self.err_path = ""
         self.done: List[dict] = []         # one record per event applied
         self.samples_taken: List[dict] = []
+        self.chains: Dict[int, List[int]] = {}   # world pid -> it and its launcher chain
+        self.chains_launch = 0
         self.expect_exit = False
 
     # -- the job -------------------------------------------------------------------------
@@ -510,7 +512,35 @@ class Soak:
         return {"exit_s": exit_s, "size_before": w["new_size"] if w else 2}
 
     # -- resources -----------------------------------------------------------------------
+    def _record_chains(self) -> None:
+        """For each live process of the world, it and its ancestors that belong to the run
+        (a joiner's launcher and proxy): what must be gone once it has left."""
+        w = self.world()
+        world = set(w.get("pids") or []) if w else set()
+        for pid in world:
+            if pid in self.chains or not alive(pid):
+                continue
+            chain, up = [pid], (stat(pid) or ("", 1))[1]
+            while up > 1 and up not in world and up not in chain and any(
+                    self.metrics_path.encode() in part for part in cmdline(up)):
+                chain.append(up)
+                up = (stat(up) or ("", 1))[1]
+            self.chains[pid] = chain
+
+    def _leavers_gone(self) -> bool:
+        w = self.world()
+        world = set(w.get("pids") or []) if w else set()
+        return not any(alive(p) for pid, chain in self.chains.items() if pid not in world
+                       for p in chain)
+
     def sample_resources(self, event: int, kind: str) -> None:
+        """Resources of the original ranks, once every process of the ranks that left (and
+        their launchers) has exited: a leaver still exiting would count as a child."""
+        if self.launches != self.chains_launch:
+            self.chains, self.chains_launch = {}, self.launches
+        self.wait("the processes of the ranks that left gone", self._leavers_gone,
+                  self.a.event_timeout)
+        self._record_chains()
         ranks = original_ranks(self.metrics_path)
         for rank, r in resources(ranks).items():
             r.update(event=event, kind=kind, launch=self.launches, rank=rank, size=self.size())

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import pytest
 
@@ -56,6 +56,44 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 600,
             pytest.fail(f"the run ended before {what}: {text[-3000:]}")
         time.sleep(0.02)
     pytest.fail(f"no {what} within {timeout} s")
+
+
+_LIVE_JOBS: List[Tuple[subprocess.Popen, Optional[str]]] = []
+
+
+def reap_on_teardown(proc: subprocess.Popen, mention: Optional[str] = None) -> subprocess.Popen:
+    """Have the test's teardown SIGKILL ``proc`` (its process group when it leads one) and
+    every process whose command line holds ``mention`` (a run's unique metrics path, for
+    joiners in sessions of their own): a test that fails mid-run leaves no job training
+    into the tests after it. Returns ``proc``."""
+    _LIVE_JOBS.append((proc, mention))
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _reap_live_jobs():
+    yield
+    import signal
+
+    while _LIVE_JOBS:
+        proc, mention = _LIVE_JOBS.pop()
+        if proc.poll() is None:
+            try:
+                if os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        if mention:
+            from procs import processes_mentioning
+
+            for pid in processes_mentioning(mention):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def complete_rows(path: Path) -> List[dict]:

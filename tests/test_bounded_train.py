@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpiexec
+from conftest import ROOT, mpiexec, reap_on_teardown
 from test_failure import Run, every_sample_once
 from test_strategies_train import TRAIN, _train as train
 
@@ -52,8 +52,8 @@ def test_bounded_delay_with_a_slowed_rank_bounds_delays_and_matches_ssgd(tmp_pat
 def test_straggler_async_switches_while_the_straggler_lasts(tmp_path):
     _, rows = _train(tmp_path, "sa", [
         "--policy", "straggler-async", "--straggler-async-patience", "3",
-        "--straggler-async-factor", "2", "--straggler-async-round-steps", "5",
-        "--slow-rank", "2", "--slow-compute", "6", "--slow-until", "60", "--check-replicas"],
+        "--straggler-async-factor", "3", "--straggler-async-round-steps", "5",
+        "--slow-rank", "2", "--slow-compute", "10", "--slow-until", "60", "--check-replicas"],
         epochs=4)
     switches = [(r["step"], r["from"]["name"], r["to"]["name"], r["replicas_identical"])
                 for r in rows if r.get("event") == "strategy"]
@@ -120,6 +120,7 @@ def test_a_stop_signal_ends_a_round_saved_and_the_restart_finishes_exactly_once(
                              ["--epochs", "1000", "--metrics-file", str(metrics)] + flags,
                              cwd=ROOT, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
+    reap_on_teardown(first, str(metrics))
     wait_for(lambda: metrics.exists() and metrics.read_text().count('"bounded-delay"') >= 3,
              "three rounds", first)
     for pid in python_ranks(str(metrics)):

@@ -7,7 +7,7 @@ import os
 import pytest
 from mpi4py import MPI
 
-from conftest import ROOT, run_mpi
+from conftest import ROOT, complete_rows, reap_on_teardown, run_mpi
 from hpcadapt.allocator import LocalAllocator
 from hpcadapt.elastic import ElasticController
 from hpcadapt.runtime import World
@@ -33,6 +33,7 @@ def processes_mentioning(text):
     return found
 
 
+@pytest.mark.timeout(1800)  # two 40-epoch runs, each with its own 900 s limit
 def test_train_2_4_3_1_2_workers(tmp_path):
     """The issue's schedule through the entry point: identical replicas after every resize,
     every sample of every epoch exactly once across the sizes it saw, the accuracy of a
@@ -140,13 +141,19 @@ def test_a_warm_spare_is_taken_by_a_grow_and_replaced_and_nothing_is_left(tmp_pa
     spares.mkdir()
 
     def warm():
-        """{folder: pid} of the spares that said they are warm."""
-        return {os.path.dirname(p): int(open(p).read()) for p in
-                glob.glob(str(spares / "hpcadapt-spare-*" / "warm-0"))}
+        """{folder: pid} of the spares that said they are warm (a folder the job removes
+        between the listing and the read is skipped)."""
+        found = {}
+        for path in glob.glob(str(spares / "hpcadapt-spare-*" / "warm-0")):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    found[os.path.dirname(path)] = int(f.read())
+            except FileNotFoundError:
+                continue
+        return found
 
     def resizes():
-        rows = read_jsonl(metrics) if metrics.exists() else []
-        return [r for r in rows if r["event"] == "resize"]
+        return [r for r in complete_rows(metrics) if r["event"] == "resize"]
 
     with open(err, "w") as ferr:
         proc = subprocess.Popen(
@@ -156,6 +163,7 @@ def test_a_warm_spare_is_taken_by_a_grow_and_replaced_and_nothing_is_left(tmp_pa
              "--warm-spares", "1", "--metrics-file", str(metrics), "--stop-file", str(stop)],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=ferr, text=True,
             env=dict(os.environ, TMPDIR=str(spares)))
+        reap_on_teardown(proc, str(metrics))
     try:
         first = wait_for(lambda: warm(), "a warm spare", proc, 300, err)
         (folder, spare_pid), = first.items()

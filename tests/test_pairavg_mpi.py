@@ -3,7 +3,6 @@ peer's model before the local update, a fetch completes while its peer computes 
 making any MPI call, a fetch returns one whole publication, and the window follows the
 world (rebuilt when the cluster version changes, freed when the strategy leaves)."""
 
-import os
 import tempfile
 import time
 from pathlib import Path

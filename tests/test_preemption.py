@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, mpiexec, wait_for
+from conftest import ROOT, mpiexec, reap_on_teardown, wait_for
 from hpcadapt.preemption import EXIT_REQUEUE, StopSignals, parse_signal
 
 
@@ -75,6 +75,7 @@ def test_signal_to_one_rank_saves_state_and_the_restart_finishes_exactly_once(tm
     flags = ["--epochs", "1000", "--checkpoint", str(ckpt)]
     first = subprocess.Popen(_train(tmp_path, "samples", flags + ["--metrics-file", str(metrics)]),
                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reap_on_teardown(first, str(metrics))
     wait_for(lambda: _steps_reported(metrics) >= 5, "step 5", first)
     # The sample log is buffered: rank 1's first line (with its pid) may come a little later.
     pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(_rank_pids(tmp_path / "samples")),
@@ -137,6 +138,7 @@ def test_a_signal_during_start_up_waits_for_the_handler(tmp_path, start):
     proc = subprocess.Popen(STARTS[start] + ["--epochs", "2", "--no-progress", "--checkpoint",
                                              str(ckpt)], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reap_on_teardown(proc, str(ckpt))
     wait_for(lambda: _blocked(proc.pid, signal.SIGUSR1), "SIGUSR1 blocked", proc)
     proc.send_signal(signal.SIGUSR1)
     out, err = proc.communicate(timeout=300)
@@ -163,6 +165,7 @@ def test_a_state_that_cannot_be_saved_is_not_requeued(tmp_path):
                              "--no-progress", "--checkpoint", str(ckpt), "--metrics-file",
                              str(metrics)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
+    reap_on_teardown(proc, str(metrics))
     wait_for(lambda: _steps_reported(metrics) >= 3, "step 3", proc)
     folder.rmdir()
     folder.write_text("a file where the folder was")

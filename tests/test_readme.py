@@ -15,7 +15,7 @@ from typing import List
 
 import pytest
 
-from conftest import ROOT, mpiexec, wait_for
+from conftest import ROOT, mpiexec, reap_on_teardown, wait_for
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -98,6 +98,7 @@ def test_the_elastic_command_grows_and_shrinks(folder):
                                           "--metrics-file", str(metrics), "--check-replicas"]
     with open(folder / "elastic.err", "w") as err:
         proc = subprocess.Popen(argv, cwd=folder, stdout=subprocess.DEVNULL, stderr=err)
+        reap_on_teardown(proc, str(metrics))
 
         def two_resizes():
             text = metrics.read_text() if metrics.exists() else ""
@@ -124,6 +125,7 @@ def test_the_checkpoint_command_stops_on_usr1_and_resumes(folder):
     with open(folder / "ckpt.out", "w") as out, open(folder / "ckpt.err", "w") as err:
         proc = subprocess.Popen(argv + ["--metrics-file", str(metrics)], cwd=folder,
                                 stdout=out, stderr=err)
+        reap_on_teardown(proc, str(metrics))
         wait_for(lambda: metrics.exists() and metrics.read_text().count('"event": "step"') >= 5,
                  "step 5", proc, stderr=folder / "ckpt.err")
         proc.send_signal(signal.SIGUSR1)

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, complete_rows, mpiexec, run_mpi, wait_for
+from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown, run_mpi, wait_for
 
 EXAMPLE = str(ROOT / "examples" / "mnist1d_adamw.py")
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -89,6 +89,7 @@ def test_own_script_grows_and_shrinks_with_identical_replicas(tmp_path):
                                 env={**os.environ, "EPOCHS": "1000", "METRICS": str(m),
                                      "PYTHON": sys.executable, "MPIEXEC": mpiexec()},
                                 cwd=ROOT, text=True, stdout=out_f, stderr=err_f)
+        reap_on_teardown(proc, str(m))
 
     def shrunk_and_trained_on():
         rows = complete_rows(m)
@@ -129,6 +130,7 @@ def test_usr1_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path)
         "--epochs", "1000", "--checkpoint", str(ckpt), "--metrics-file", str(m),
         "--sample-log", str(tmp_path / "s")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE)
+    reap_on_teardown(first, str(m))
     # Train until told: signal rank 1 once the run reports step 5.
     wait_for(lambda: m.exists() and m.read_text().count('"event": "step"') >= 5,
               "step 5", first)
