@@ -315,13 +315,13 @@ def test_checkpoint_every_leaves_a_state_to_resume_after_a_crash_that_saves_noth
     run.wait_for("step 12", lambda: [s for s in run.steps() if s["step"] >= 12])
     os.killpg(run.proc.pid, signal.SIGKILL)
     run.finish()
-    saved = read_checkpoint(str(run.checkpoint))["meta"]["step"]
+    meta = read_checkpoint(str(run.checkpoint))["meta"]
+    saved, epoch = meta["step"], meta["epoch"]
     assert saved >= 10 and saved % 5 == 0, saved
     again = subprocess.run([mpiexec(), "-n", "2", sys.executable] + run.args +
                            ["--max-steps", str(saved + 2)], cwd=ROOT, capture_output=True,
                            text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    epoch = read_checkpoint(str(run.checkpoint))["meta"]["epoch"]
     assert f"resumed from {run.checkpoint} at epoch {epoch}, step {saved}" in again.stderr
 
 
