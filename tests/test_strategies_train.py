@@ -127,10 +127,16 @@ def test_a_peer_killed_under_pair_averaging_is_recovered_from(tmp_path):
         failure = run.wait_for("the failure record", lambda: [
             r for r in run.rows() if r.get("event") == "failure"])[0]
     except AssertionError:
-        # Seen 1 run in 2: UCX aborts a survivor ("Connection reset by remote peer") on a
-        # request to the dead joiner (RMA to a spawned process goes through UCX, not
-        # shared memory); not recoverable from Python.
-        if run.proc.poll() is None or "Connection reset by remote peer" not in run.stderr():
+        # Two known endings that are not hpcadapt's and not hangs (README, issue 12): UCX
+        # aborts a survivor ("Connection reset by remote peer") on a request to the dead
+        # joiner (RMA to a spawned process goes through UCX, not shared memory), seen 1 run
+        # in 2 early on; MPICH 5.0.2 crashes (SIGSEGV, exit 11) in a survivor after a peer's
+        # death, seen once in CI. Neither is recoverable from Python.
+        code = run.proc.poll()
+        if code in (11, 139):
+            run.assert_no_process_left()
+            pytest.xfail("MPICH 5.0.2 crashed (SIGSEGV) in a survivor after the joiner's death")
+        if code is None or "Connection reset by remote peer" not in run.stderr():
             raise
         run.assert_no_process_left()
         pytest.xfail("UCX aborted a survivor on a request to the dead joiner")
