@@ -154,9 +154,6 @@ def test_a_worker_killed_in_a_round_is_recovered_and_rounds_go_on(tmp_path):
     is written by the aggregator when a round completes, so it shows the broken round once
     (redone): what it checks is that the survivors agreed on the round's start (a wrong
     cursor would skip or repeat samples)."""
-    import os
-    import signal
-
     run = Run(tmp_path, 2, ["--strategy", "bounded-delay", "--async-round-steps", "5",
                             "--max-workers", "3", "--policy", "resize-schedule",
                             "--resize-schedule-steps", "3:3", "--check-replicas"])
@@ -164,7 +161,7 @@ def test_a_worker_killed_in_a_round_is_recovered_and_rounds_go_on(tmp_path):
         r for r in run.rows() if r.get("event") == "bounded-delay" and r["world_size"] == 3])
     grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]
              and r["new_size"] == 3][-1]
-    os.kill(grown["pids"][2], signal.SIGKILL)
+    run.kill(grown["pids"][2])
     failure = run.wait_for("the failure record", lambda: [
         r for r in run.rows() if r.get("event") == "failure"])[0]
     assert failure["recovered"] and failure["dead"] == [2] and failure["world_size"] == 2

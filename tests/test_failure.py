@@ -50,6 +50,15 @@ class Run:
                                      text=True, start_new_session=True)
         reap_on_teardown(self.proc, str(self.metrics))
         self.known_pids = set()
+        self.killed = []   # pids this test SIGKILLed (Run.kill)
+
+    def kill(self, pid):
+        """SIGKILL one of the job's processes. After a kill, the job ending in SIGSEGV
+        (exit 11 or 139) before an awaited event is MPICH 5.0.2's own crash in a survivor
+        (README, issue 12: about 1 kill in 20-80), not hpcadapt's and not a hang: wait_for
+        makes it an xfail once nothing of the job is left."""
+        os.kill(pid, signal.SIGKILL)
+        self.killed.append(pid)
 
     def rows(self):
         return complete_rows(self.metrics)
@@ -74,6 +83,9 @@ class Run:
                 value = predicate()
                 if value:
                     return value
+                if self.killed and self.proc.returncode in (11, 139):
+                    self.assert_no_process_left()
+                    pytest.xfail(f"MPICH 5.0.2 crashed (SIGSEGV) in a survivor before {what}")
                 raise AssertionError(f"the job ended (code {self.proc.returncode}) before "
                                      f"{what}:\n{self.stderr()[-4000:]}")
             time.sleep(poll)
@@ -143,7 +155,7 @@ def _kill_a_joined_worker(run, size):
              and r["new_size"] == size][-1]
     victim_rank = size - 1
     step_before = run.steps()[-1]["step"]
-    os.kill(grown["pids"][victim_rank], signal.SIGKILL)
+    run.kill(grown["pids"][victim_rank])
     return victim_rank, time.time(), step_before
 
 
@@ -185,7 +197,7 @@ def test_initial_workers_started_alone_are_each_recovered_from(tmp_path):
     first = run.wait_for("a first step", lambda: run.steps()[:1])[0]
     assert first["step"] == 1 and first["world_size"] == 3, first
     grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]][-1]
-    os.kill(grown["pids"][1], signal.SIGKILL)
+    run.kill(grown["pids"][1])
     failure = run.wait_for("the failure record", lambda: [
         r for r in run.rows() if r.get("event") == "failure"])[0]
     assert failure["recovered"] and failure["dead"] == [1] and failure["world_size"] == 2
@@ -211,7 +223,7 @@ def test_rank_0_killed_under_the_agent_is_recovered_and_its_role_moves(tmp_path)
     run.wait_for("step 20", lambda: [s for s in run.steps() if s["step"] >= 20])
     grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]][-1]
     step_before = run.steps()[-1]["step"]
-    os.kill(grown["pids"][0], signal.SIGKILL)
+    run.kill(grown["pids"][0])
     failure = _unless_mpich_crashed(run, lambda: run.wait_for("the failure record", lambda: [
         r for r in run.rows() if r.get("event") == "failure"])[0])
     assert failure["recovered"] and failure["dead"] == [0], failure
@@ -250,7 +262,7 @@ def test_rank_0_killed_without_the_agent_ends_every_worker(tmp_path):
     run = Run(tmp_path, 1, ["--max-workers", "3", "--initial-workers", "3"])
     run.wait_for("a first step", lambda: run.steps()[:1])
     grown = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]][-1]
-    os.kill(grown["pids"][0], signal.SIGKILL)
+    run.kill(grown["pids"][0])
     assert run.finish(timeout=120) != 0
     # The survivors (launches of their own) notice, cannot go on without rank 0 (its launch,
     # which the user waited on, has ended) and end by themselves: nobody is left training.
@@ -334,10 +346,13 @@ def test_sigkill_of_a_joined_worker_with_on_failure_stop_ends_the_job_with_the_s
     assert len(joined) == 1, joined
     victim = next(iter(joined))
     step_before = run.steps()[-1]["step"]
-    os.kill(victim, signal.SIGKILL)
+    run.kill(victim)
     t_kill = time.time()
     code = run.finish(timeout=300)
     err = run.stderr()
+    if code in (11, 139):
+        run.assert_no_process_left()
+        pytest.xfail("MPICH 5.0.2 crashed (SIGSEGV) in a survivor after the joiner's death")
     assert code == 75, err[-4000:]
     failures = [r for r in run.rows() if r.get("event") == "failure"]
     assert len(failures) == 1, err[-3000:]
@@ -381,7 +396,7 @@ def test_joiner_killed_before_its_ready_file_is_abandoned(tmp_path):
     run = _grow_run(tmp_path, 1)
     pid, folder = next(iter(run.wait_for("a joiner", lambda: joiner_pids(run)).items()))
     assert not os.path.exists(os.path.join(folder, "ready-0"))
-    os.kill(pid, signal.SIGKILL)
+    run.kill(pid)
     rows = run.wait_for("the grow abandoned", lambda: _not_done(run))
     assert "exited" in rows[0]["reason"], rows
     n = len(run.steps())
@@ -399,7 +414,7 @@ def _kill_at_ready(run, seen):
     seen.add(pid)
     ready = os.path.join(folder, "ready-0")
     run.wait_for("its ready file", lambda: os.path.exists(ready) or not alive(pid), poll=0.001)
-    os.kill(pid, signal.SIGKILL)
+    run.kill(pid)
     return pid
 
 
