@@ -648,3 +648,33 @@ def test_a_users_own_script_grows_and_shrinks_on_slurm(cluster, tmp_path, cancel
     assert summary["world_size"] == 1 and summary["stopped"] is None
     assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"],
                                               n_train=samples * 8 // 10)
+
+
+@pytest.mark.slurm
+def test_a_restarted_cluster_cancels_the_jobs_an_earlier_one_left(cluster):
+    """A test session killed hard leaves its jobs in the controller's saved state; the next
+    session's cluster must not start them (one held a node for good and starved every test
+    after it). Emulated: a held job, slurmctld stopped with its state saved (SIGTERM), the
+    cluster brought up again: the job is cancelled, the nodes are idle."""
+    import time
+
+    from procs import alive
+
+    job = subprocess.run(["sbatch", "--parsable", "--hold", "--job-name", "left-behind",
+                          "--output", "/dev/null", "--wrap", "true"], capture_output=True,
+                         text=True, check=True, timeout=60).stdout.strip().split(";")[0]
+    ctld = [d for d in cluster.recorded() if d.label == "slurmctld"]
+    assert len(ctld) == 1, cluster.recorded()
+    os.kill(ctld[0].pid, signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    while alive(ctld[0].pid) and time.monotonic() < deadline:  # a zombie has stopped
+        time.sleep(0.1)
+    assert not alive(ctld[0].pid), "slurmctld did not stop on SIGTERM"
+    assert not cluster.running()
+    cluster.up()
+    state = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True,
+                           text=True, timeout=60).stdout
+    assert "JobState=CANCELLED" in state, state
+    idle = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True,
+                          timeout=60).stdout.split()
+    assert idle and set(idle) == {"idle"}, idle

@@ -524,6 +524,18 @@ StorageLoc=slurm_acct_db
         self._start("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.slurm_conf)])
         _wait_for(lambda: _run(["scontrol", "ping"], env=self.env(), check=False,
                                timeout=20).returncode == 0, 60, "slurmctld")
+        self._cancel_leftover_jobs()
+
+    def _cancel_leftover_jobs(self) -> None:
+        """Cancel the jobs the controller kept from an earlier cluster in this folder (one
+        stopped while tests ran): before any node registers, so none of them starts and
+        holds a node the new session's tests need."""
+        out = _run(["squeue", "-h", "-o", "%i"], env=self.env(), timeout=20).stdout
+        left = sorted({line.strip().split("_")[0] for line in out.splitlines() if line.strip()})
+        if left:
+            print(f"test cluster: cancelling {len(left)} job(s) left from before: "
+                  f"{' '.join(left)}", flush=True)
+            _run(["scancel"] + left, env=self.env(), timeout=60)
 
     def _wait_nodes_idle(self, timeout: float) -> None:
         def idle() -> bool:
