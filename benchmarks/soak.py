@@ -512,11 +512,14 @@ class Soak:
         return {"exit_s": exit_s, "size_before": w["new_size"] if w else 2}
 
     # -- resources -----------------------------------------------------------------------
+    def _world_pids(self) -> set:
+        w = self.world()
+        return set(w.get("pids") or []) if w else set()
+
     def _record_chains(self) -> None:
         """For each live process of the world, it and its ancestors that belong to the run
         (a joiner's launcher and proxy): what must be gone once it has left."""
-        w = self.world()
-        world = set(w.get("pids") or []) if w else set()
+        world = self._world_pids()
         for pid in world:
             if pid in self.chains or not alive(pid):
                 continue
@@ -528,8 +531,7 @@ class Soak:
             self.chains[pid] = chain
 
     def _leavers_gone(self) -> bool:
-        w = self.world()
-        world = set(w.get("pids") or []) if w else set()
+        world = self._world_pids()
         return not any(alive(p) for pid, chain in self.chains.items() if pid not in world
                        for p in chain)
 

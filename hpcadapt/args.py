@@ -17,7 +17,7 @@ from .allocator import LAUNCHERS
 from .engine import RESIZE_BATCH
 from .monitor import MONITORS
 from .preemption import EXIT_REQUEUE, parse_signal
-from .strategy import STRATEGIES
+from .strategy import STRATEGIES, Strategy
 from .topology import Topology, parse_ranks_per_node
 
 __all__ = ["add_arguments", "warn_unused_policy_flags", "ALLOCATORS", "RESIZE_BATCH",
@@ -99,12 +99,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="sma: share of the average pulled in each step, in (0, 1]")
     y.add_argument("--local-sgd-period", type=positive_int, default=8,
                    help="local-sgd: steps between model averages (1 or more)")
-    y.add_argument("--max-delay", type=_non_negative_int, default=1, metavar="D",
+    y.add_argument("--max-delay", type=_non_negative_int, default=Strategy.max_delay, metavar="D",
                    help="bounded-delay: an update computed on a model more than D versions "
                         "older than the one it would be applied to is dropped (its samples "
                         "are handed out again); a worker pulls the model when its own delay "
                         "reaches D")
-    y.add_argument("--async-round-steps", type=positive_int, default=50, metavar="K",
+    y.add_argument("--async-round-steps", type=positive_int, default=Strategy.round_steps,
+                   metavar="K",
                    help="bounded-delay: global batches per asynchronous round; policies, "
                         "resizes, checkpoints and stop votes run between rounds")
     y.add_argument("--topology", choices=[t.value for t in Topology], default="flat",
@@ -244,7 +245,8 @@ def warn_unused_policy_flags(args: argparse.Namespace) -> List[str]:
             messages.append(f"{', '.join(given)} given without --policy {name}: ignored "
                             f"(add --policy {name} to use it)")
     if getattr(args, "strategy", "ssgd") != "bounded-delay":  # (sync-switch: its own flags)
-        for flag, default in (("max_delay", 1), ("async_round_steps", 50)):
+        for flag, default in (("max_delay", Strategy.max_delay),
+                              ("async_round_steps", Strategy.round_steps)):
             if getattr(args, flag, default) != default:
                 messages.append(f"--{flag.replace('_', '-')} given without --strategy "
                                 f"bounded-delay: ignored")

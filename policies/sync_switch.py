@@ -30,17 +30,19 @@ class SyncSwitch(Policy):
         Param("noise-scale", positive_float, None,
               "switch once the measured gradient noise scale reaches this (samples)"),
         Param("workers", positive_int, None, "switch once the job has this many workers"),
-        Param("sma-alpha", positive_float, 0.1, "sma's pull towards the average, in (0, 1]"),
-        Param("period", positive_int, 8, "local-sgd's steps between model averages"),
-        Param("max-delay", non_negative_int, 1, "bounded-delay's --max-delay"),
-        Param("round-steps", positive_int, 50, "bounded-delay's --async-round-steps"),
+        Param("sma-alpha", positive_float, Strategy.sma_alpha,
+              "sma's pull towards the average, in (0, 1]"),
+        Param("period", positive_int, Strategy.period, "local-sgd's steps between model averages"),
+        Param("max-delay", non_negative_int, Strategy.max_delay, "bounded-delay's --max-delay"),
+        Param("round-steps", positive_int, Strategy.round_steps,
+              "bounded-delay's --async-round-steps"),
     )
     reads = ("step", "world_size", "noise_scale")
 
     def __init__(self, *, steps: List[Tuple[int, str]] = (), to: str = "ssgd",
                  noise_scale: Optional[float] = None, workers: Optional[int] = None,
-                 sma_alpha: float = 0.1, period: int = 8, max_delay: int = 1,
-                 round_steps: int = 50):
+                 sma_alpha: float = Strategy.sma_alpha, period: int = Strategy.period,
+                 max_delay: int = Strategy.max_delay, round_steps: int = Strategy.round_steps):
         if not steps and noise_scale is None and workers is None:
             raise ConfigurationError(
                 "--policy sync-switch needs a trigger: --sync-switch-steps 200:ssgd, "

@@ -53,12 +53,18 @@ class Run:
         self.killed = []   # pids this test SIGKILLed (Run.kill)
 
     def kill(self, pid):
-        """SIGKILL one of the job's processes. After a kill, the job ending in SIGSEGV
-        (exit 11 or 139) before an awaited event is MPICH 5.0.2's own crash in a survivor
-        (README, issue 12: about 1 kill in 20-80), not hpcadapt's and not a hang: wait_for
-        makes it an xfail once nothing of the job is left."""
+        """SIGKILL one of the job's processes; from then on wait_for takes the job ending
+        in SIGSEGV for MPICH's own crash (xfail_if_mpich_crashed)."""
         os.kill(pid, signal.SIGKILL)
         self.killed.append(pid)
+
+    def xfail_if_mpich_crashed(self, when):
+        """When the job ended in SIGSEGV (exit 11 or 139): MPICH 5.0.2's own crash in a
+        survivor after a peer's death (README, issue 12: about 1 kill in 20-80), not
+        hpcadapt's and not a hang: an xfail once nothing of the job is left."""
+        if self.proc.poll() in (11, 139):
+            self.assert_no_process_left()
+            pytest.xfail(f"MPICH 5.0.2 crashed (SIGSEGV) in a survivor {when}")
 
     def rows(self):
         return complete_rows(self.metrics)
@@ -83,9 +89,8 @@ class Run:
                 value = predicate()
                 if value:
                     return value
-                if self.killed and self.proc.returncode in (11, 139):
-                    self.assert_no_process_left()
-                    pytest.xfail(f"MPICH 5.0.2 crashed (SIGSEGV) in a survivor before {what}")
+                if self.killed:
+                    self.xfail_if_mpich_crashed(f"before {what}")
                 raise AssertionError(f"the job ended (code {self.proc.returncode}) before "
                                      f"{what}:\n{self.stderr()[-4000:]}")
             time.sleep(poll)
@@ -297,11 +302,7 @@ def test_twenty_joined_workers_killed_and_replaced_in_one_job_never_hang(tmp_pat
             run.wait_for(f"failure record {i + 1}", lambda: len(
                 [r for r in run.rows() if r.get("event") == "failure"]) == i + 1)
         except AssertionError:
-            if run.proc.poll() in (11, 139):
-                # Known, not hpcadapt's and not a hang: MPICH 5.0.2 crashes (SIGSEGV) in a
-                # survivor after a peer's death, about 1 kill in 20-80 (README, issue 12).
-                run.assert_no_process_left()
-                pytest.xfail(f"MPICH 5.0.2 crashed (SIGSEGV) in a survivor at kill {i + 1}")
+            run.xfail_if_mpich_crashed(f"at kill {i + 1}")
             raise
     run.wait_for("a step after the last replacement", lambda: [
         s for s in run.steps()[-1:] if s["world_size"] == 3
@@ -350,9 +351,7 @@ def test_sigkill_of_a_joined_worker_with_on_failure_stop_ends_the_job_with_the_s
     t_kill = time.time()
     code = run.finish(timeout=300)
     err = run.stderr()
-    if code in (11, 139):
-        run.assert_no_process_left()
-        pytest.xfail("MPICH 5.0.2 crashed (SIGSEGV) in a survivor after the joiner's death")
+    run.xfail_if_mpich_crashed("after the joiner's death")
     assert code == 75, err[-4000:]
     failures = [r for r in run.rows() if r.get("event") == "failure"]
     assert len(failures) == 1, err[-3000:]

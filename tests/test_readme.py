@@ -15,7 +15,7 @@ from typing import List
 
 import pytest
 
-from conftest import ROOT, mpiexec, reap_on_teardown, wait_for
+from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown, wait_for
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -101,9 +101,7 @@ def test_the_elastic_command_grows_and_shrinks(folder):
         reap_on_teardown(proc, str(metrics))
 
         def two_resizes():
-            text = metrics.read_text() if metrics.exists() else ""
-            rows = [json.loads(l) for l in text[:text.rfind("\n") + 1].splitlines()
-                    if '"event": "resize"' in l]
+            rows = [r for r in complete_rows(metrics) if r["event"] == "resize"]
             return rows if len(rows) >= 2 else None
 
         resizes = wait_for(two_resizes, "two resizes", proc, stderr=folder / "elastic.err")

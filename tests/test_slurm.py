@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import complete_rows
 from hpcadapt.errors import AllocationError
 from hpcadapt.slurm.commands import (check_hostlist, check_job_id, check_node_name,
                                      check_partition, parse_cpus_per_node, parse_duration,
@@ -164,19 +165,7 @@ UNTIL_STOPPED = ["--epochs", "100000"]
 
 def records(path: Path, event: str) -> list:
     """The metrics file's records of one kind, as far as rank 0 has written them."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    rows = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # the line being written
-            continue
-        if row.get("event") == event:
-            rows.append(row)
-    return rows
+    return [row for row in complete_rows(path) if row.get("event") == event]
 
 
 def epochs_logged(metrics: Path) -> int:

@@ -16,8 +16,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
-from procs import processes_mentioning
+from conftest import ROOT, reap_on_teardown
 
 pytestmark = pytest.mark.slow
 
@@ -43,19 +42,14 @@ def _soak(tmp_path, events, extra):
            "--start-timeout", "150"] + extra
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
+    # the driver kills what it started; this is the last guard (by the run's unique path)
+    reap_on_teardown(proc, str(work / "metrics.jsonl"))
     try:
         log, _ = proc.communicate(timeout=1200)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
         raise AssertionError(f"the soak driver itself did not end:\n{log[-4000:]}")
-    finally:
-        # the driver kills what it started; this is the last guard (by the run's unique path)
-        for pid in processes_mentioning(str(work / "metrics.jsonl")):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     assert out.exists(), log[-4000:]
     result = json.loads(out.read_text())
     assert not result.get("left_behind"), result.get("left_behind")
