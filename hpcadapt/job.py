@@ -46,6 +46,7 @@ from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecuti
                       estimate_from_replicas)
 from .parallel import DistributedOptimizer, GradientStats
 from .plan import Plan
+from .rollback import StepCommit
 from .preemption import EXIT_REQUEUE, StopSignals, parse_signal, unblock_stop_signals
 from .state import HyperParams, TrainingState, UserState
 from .strategy import Strategy
@@ -303,6 +304,12 @@ class Job:
         self._walk_cursor = -1
         self._stop_requested = False
         self._recovered = False  # set when a recovery cut the step or boundary short
+        # The state the step (round) in flight may change, as of its start (rollback.py):
+        # a recovery undoes the uncommitted step with it. None once the step commits.
+        self._in_flight: Optional[StepCommit] = None
+        # The agreed state after a recovery inside job.step: the user's code after that
+        # call ran for a step given up, and is undone when the loop asks for the next batch.
+        self._undo_at_next_batch: Optional[StepCommit] = None
         self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
         self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
         self._finish_requested = False
@@ -509,7 +516,16 @@ class Job:
 
     @property
     def step_count(self) -> int:
+        """The number of committed steps: a step given up by a recovery is not counted,
+        and the user's code after its ``job.step`` is undone at the loop's next batch."""
         return self.state.step if self.state is not None else 0
+
+    @property
+    def _recoverable(self) -> bool:
+        """Whether a peer's death can be survived here (then each step keeps what it may
+        change, to undo it): more than one worker now, or workers that may join."""
+        return self.options.on_failure == "recover" and (self.world.size > 1
+                                                         or self.elastic is not None)
 
     # -- the loops -------------------------------------------------------------------------
     def epochs(self, count: int) -> Iterator[int]:
@@ -518,7 +534,10 @@ class Job:
         if count < 1:
             raise ConfigurationError(f"the number of epochs must be positive, got {count}")
         st = self._require_setup()
-        resuming = self._resumed or self.joining
+        # A resumed job, or a worker that joined a started one, skips the start's hooks; a
+        # worker that joined before the first step (--initial-workers) runs them with all.
+        resuming = st.started
+        st.started = True
         if not resuming:
             self._hook("before_train")
         first = True
@@ -563,6 +582,7 @@ class Job:
             self._recovered = False  # a recovery in an epoch hook needs no redo
             rounds = st.strategy.asynchronous and self.world.size > 1
             count = yield from (self._async_round() if rounds else self._sync_step())
+            self._undo_user_code_of_given_up_step()
             if self._recovered:
                 # A peer died during this step (round): the survivors took the state of the
                 # one furthest on; the step from the cursor is trained (again) at the new size.
@@ -576,6 +596,21 @@ class Job:
                 self._leave()
             if not going_on:
                 break
+
+    def _keep_in_flight(self) -> None:
+        """At a step's (round's) start: what it may change, for a recovery to undo."""
+        if self._recoverable:
+            self._in_flight = StepCommit.take(self.state.step, self.extra,
+                                              self.optimizer.optimizer, self.model)
+
+    def _undo_user_code_of_given_up_step(self) -> None:
+        """The loop's next batch after a recovery inside ``job.step``: whatever the user's
+        code after that call changed in the registered state (scheduler, EMA, counters,
+        rates, buffers, random generator) goes back to the state the survivors agreed on,
+        so that each committed step reaches the user's code once."""
+        if self._undo_at_next_batch is not None:
+            self._undo_at_next_batch.restore(self.extra, self.optimizer.optimizer, self.model)
+            self._undo_at_next_batch = None
 
     def _sync_step(self) -> Iterator[Any]:
         """One synchronous step's (micro-)batches; returns the step's global sample count."""
@@ -613,6 +648,7 @@ class Job:
         o = self.options
         self._t_step = time.perf_counter()
         self._follow_ramp()
+        self._keep_in_flight()
         key = WalkKey(st.epoch, st.hyper.batch_size, self.world.rank, self.world.size,
                       o.max_local_batch)
         if key != self._walk or self._walk_cursor != st.sampler.cursor:
@@ -663,6 +699,7 @@ class Job:
         self._t_step = time.perf_counter()
         self.monitored = False
         self._follow_ramp()
+        self._keep_in_flight()
         count = min(strategy.round_steps * batch, st.sampler.remaining)
         if o.max_steps is not None:  # the round ends where --max-steps does
             count = min(count, max(1, o.max_steps - st.step) * batch)
@@ -696,6 +733,7 @@ class Job:
         step0 = st.step
         st.sampler.advance(count)
         st.step += steps
+        self._in_flight = None  # committed
         self._read_control(control, count)
         # only finite updates were applied: a round with none counts as a skipped step
         self._nonfinite_run = 0 if math.isfinite(self.last_loss) else self._nonfinite_run + 1
@@ -894,6 +932,7 @@ class Job:
                             self._nonfinite_run)
         st.sampler.advance(self._part.global_count)
         st.step += 1
+        self._in_flight = None  # committed: a failure from here on redoes nothing
         if st.strategy.averages_after(st.step - 1) and self.world.size > 1:
             try:
                 self.optimizer.average_models()  # local SGD: the replicas become one
@@ -1413,6 +1452,11 @@ class Job:
                                              rank=agreement.dead[0] if agreement.dead else -1,
                                              cause="dead"))
         dead_pids = [self.world.pids[d] for d in agreement.dead]
+        if self._in_flight is not None:
+            # The step in flight is given up: this rank goes back to its last commit before
+            # the survivors compare states (the one furthest on is then everyone's).
+            self._in_flight.restore(self.extra, self.optimizer.optimizer, self.model)
+            self._in_flight = None
         if self.elastic is not None and self.elastic.growing:
             # Joiners of a pending grow would connect to the old world: start again later.
             self._record_resize(self.elastic.abandon("a worker died"))
@@ -1444,6 +1488,8 @@ class Job:
         self._walk = None
         self._recovered = True
         self._step_open = False
+        self._undo_at_next_batch = StepCommit.take(self.state.step, self.extra,
+                                                   self.optimizer.optimizer, self.model)
         recovered = time.time()
         phases = {"agree_s": t_agreed - t0, "form_world_s": t_formed - t_agreed,
                   "survey_s": t_surveyed - t_formed,

@@ -141,6 +141,9 @@ class TrainingState:
         self.topology = "flat"      # the gradients' allreduce topology (hpcadapt.topology)
         self.step = 0
         self.epoch = 0
+        # Whether the job has entered its epoch loop (its before_train hooks ran): a worker
+        # that joins before that (--initial-workers) runs the hooks with everyone else.
+        self.started = False
         self.last_accuracy = float("nan")
         # The reference rate the param groups hold now (they move by lr / applied_lr).
         self.applied_lr = hyper.lr
@@ -160,7 +163,8 @@ class TrainingState:
                 # Policies decide on rank 0 only; their state matters for a checkpoint.
                 "policies": self.policies.state_dict() if self.policies is not None else {},
                 "user": self.user.state_dict(), "origin": dict(self.origin),
-                "strategy": self.strategy.to_dict(), "topology": self.topology}
+                "strategy": self.strategy.to_dict(), "topology": self.topology,
+                "started": self.started}
 
     def load_meta(self, meta: Mapping[str, Any]) -> None:
         self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
@@ -181,6 +185,7 @@ class TrainingState:
             self.strategy = Strategy.from_dict(meta["strategy"])
         if meta.get("topology"):
             self.topology = str(meta["topology"])
+        self.started = bool(meta.get("started", True))  # older checkpoints: a started job
 
     # -- sync ------------------------------------------------------------------------------
     def broadcast(self, view, *, is_root: bool, root: int = 0) -> int:

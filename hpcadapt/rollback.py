@@ -1,0 +1,58 @@
+"""What a step in flight may change before it commits, kept so that a recovery can undo it.
+
+A peer's death inside a step gives that step up on every survivor: the optimizer has not
+stepped and the data cursor has not moved, but the step's forward has moved the model's
+buffers (BatchNorm statistics) and the random generator, and the user's own code around
+``job.step`` may have moved what the job carries for them (a scheduler, an EMA, counters in
+``job.extra``, the param groups' rates). A ``StepCommit`` holds all of that as it stood when
+the step began; restoring it makes the redone step see exactly what an uninterrupted run
+would (Horovod's ``State.restore``, for one step). Plain local variables of the user's loop
+are not the job's to undo."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+__all__ = ["StepCommit"]
+
+
+def _group_values(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:
+    """Each param group's settings (lr, momentum, betas, ...), without the parameters."""
+    return [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+@dataclass
+class StepCommit:
+    """The state a step may change before it commits, as of the step's start."""
+
+    step: int
+    user: Dict[str, Any]
+    groups: List[Dict[str, Any]]
+    buffers: List[torch.Tensor]
+    rng: torch.Tensor
+
+    @classmethod
+    def take(cls, step: int, user_state, optimizer: torch.optim.Optimizer,
+             model: nn.Module) -> "StepCommit":
+        """Copies, not references: the step goes on changing the originals."""
+        return cls(step=step, user=copy.deepcopy(user_state.state_dict()),
+                   groups=_group_values(optimizer),
+                   buffers=[b.detach().clone() for b in model.buffers()],
+                   rng=torch.get_rng_state())
+
+    def restore(self, user_state, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        """Put everything back as it was when the step began (in place, so that references
+        the user holds to the objects stay valid)."""
+        user_state.load_state_dict(copy.deepcopy(self.user))
+        for group, values in zip(optimizer.param_groups, self.groups):
+            group.update(copy.deepcopy(values))
+        with torch.no_grad():
+            for buf, saved in zip(model.buffers(), self.buffers):
+                buf.copy_(saved)
+        torch.set_rng_state(self.rng)

@@ -1,0 +1,103 @@
+"""Each committed step reaches the user's code once: a joined worker SIGKILLed mid-run, and
+at the end the user's counter, the LR scheduler and the job's committed step count agree on
+every survivor, and the EMA, the BatchNorm buffers and the parameters are bit-identical to
+an uninterrupted run that trained at the same sizes (3 workers, then 2 from the step the
+failure gave up)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown
+from procs import python_ranks
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = str(ROOT / "tests" / "scripts" / "rollback_user.py")
+COMMON = ["--epochs", "3", "--allocator", "local", "--launcher", "process",
+          "--max-workers", "3", "--initial-workers", "3"]
+
+
+def _launch(tmp_path, name, extra):
+    out = tmp_path / name
+    out.mkdir()
+    metrics = out / "m.jsonl"
+    err = open(out / "err", "w")
+    proc = subprocess.Popen([mpiexec(), "-n", "1", sys.executable, SCRIPT, "--result-dir",
+                             str(out), "--metrics-file", str(metrics)] + COMMON + extra,
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                            start_new_session=True)
+    reap_on_teardown(proc, str(metrics))
+    return proc, out, metrics
+
+
+def _wait(predicate, proc, what, out, timeout=300):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            value = predicate()
+            if value:
+                return value
+            pytest.fail(f"the run ended (code {proc.returncode}) before {what}:\n"
+                        f"{(out / 'err').read_text()[-3000:]}")
+        time.sleep(0.02)
+    pytest.fail(f"no {what} within {timeout} s")
+
+
+def _results(out, ranks):
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in ranks]
+
+
+@pytest.mark.timeout(600)
+def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_path):
+    proc, out, metrics = _launch(tmp_path, "failure", [])
+
+    def joined():
+        return [r for r in complete_rows(metrics)
+                if r.get("event") == "resize" and r.get("ok") and r["new_size"] == 3]
+
+    victim = _wait(joined, proc, "the initial workers' join", out)[0]["pids"][2]
+    _wait(lambda: any(r.get("event") == "step" and r["step"] >= 25
+                      for r in complete_rows(metrics)), proc, "step 25", out)
+    import os
+    import signal
+
+    os.kill(victim, signal.SIGKILL)
+    code = proc.wait(timeout=300)
+    if code in (11, 139) and not python_ranks(str(metrics)):
+        pytest.xfail("MPICH 5.0.2 crashed (SIGSEGV) in a survivor after the kill")
+    assert code == 0, (out / "err").read_text()[-3000:]
+    failure = [r for r in complete_rows(metrics)
+               if r.get("event") == "failure" and r.get("recovered")]
+    assert len(failure) == 1, complete_rows(metrics)[-5:]
+    given_up_at = failure[0]["step"]
+    got = _results(out, [0, 1])
+    steps = got[0]["step_count"]
+    for r in got:
+        assert r["size"] == 2
+        # the user's code ran once per committed step, as far as the job can see
+        assert r["updates"] == r["last_epoch"] == r["step_count"] == steps, r
+        # a plain local variable is not the job's to undo: one more run of the body
+        # for the step that was given up (on a rank that was inside that step)
+        assert r["body_runs"] in (steps, steps + 1), r
+    # (cross-rank EMA and buffers: with the buffer broadcast)
+    assert got[0]["params"] == got[1]["params"]
+
+    # The same sizes without a failure: 3 workers, then 2 from the step given up.
+    proc2, out2, metrics2 = _launch(tmp_path, "planned", [
+        "--policy", "resize-schedule", "--resize-schedule-steps", f"{given_up_at}:2"])
+    assert proc2.wait(timeout=300) == 0, (out2 / "err").read_text()[-3000:]
+    shrink = [r for r in complete_rows(metrics2) if r.get("event") == "resize"
+              and r["new_size"] == 2]
+    assert [r["step"] for r in shrink] == [given_up_at], shrink
+    planned = _results(out2, [0, 1])
+    for r, p in zip(got, planned):
+        for key in ("step_count", "updates", "last_epoch", "lr", "ema", "buffers", "params"):
+            assert r[key] == p[key], (key, r, p)
