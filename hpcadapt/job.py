@@ -310,6 +310,7 @@ class Job:
         # The agreed state after a recovery inside job.step: the user's code after that
         # call ran for a step given up, and is undone when the loop asks for the next batch.
         self._undo_at_next_batch: Optional[StepCommit] = None
+        self._used_settings: Dict[str, Any] = {}  # the optimizer's, at the last update
         self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
         self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
         self._finish_requested = False
@@ -731,6 +732,7 @@ class Job:
             self._recover(exc)  # or ends the job
             return 0
         step0 = st.step
+        self._used_settings = optimizer_settings(self.optimizer.optimizer)
         st.sampler.advance(count)
         st.step += steps
         self._in_flight = None  # committed
@@ -900,6 +902,7 @@ class Job:
         grads_finite = not (self.monitored and self.world.size > 1
                             and not math.isfinite(stats.global_sqnorm))
         finite = math.isfinite(self.last_loss) and (grads_finite or scaler is not None)
+        self._used_settings = optimizer_settings(self.optimizer.optimizer)
         if finite:
             self._nonfinite_run = 0
             inner = self.optimizer.optimizer
@@ -1809,13 +1812,15 @@ class Job:
     # -- metrics -------------------------------------------------------------------------------
     def _log_step(self, count: int) -> None:
         st = self.state
+        used = self._used_settings
         self.sink.write(StepRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
-                                   batch_size=st.hyper.batch_size, lr=st.hyper.lr,
-                                   momentum=st.hyper.momentum, loss=self.last_loss,
+                                   batch_size=st.hyper.batch_size, lr=used["lr"],
+                                   momentum=used["momentum"], loss=self.last_loss,
                                    samples_per_s=count / self._step_time if self._step_time else 0.0,
                                    step_time_s=self._step_time,
                                    cluster_version=self.world.cluster_version,
-                                   monitors=self._step_monitors()))
+                                   monitors=self._step_monitors(), betas=used["betas"],
+                                   lr_groups=used["lr_groups"]))
         if self.options.progress and self.world.rank == 0 and st.step % 20 == 0:
             sys.stderr.write(f"\repoch {st.epoch} step {st.step} loss {self.last_loss:.4f} "
                              f"batch {st.hyper.batch_size} on {self.world.size} workers   ")
@@ -2024,6 +2029,19 @@ def MPI_COMM_NULL():
     from mpi4py import MPI
 
     return MPI.COMM_NULL
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """What the optimizer itself holds (not hpcadapt's reference values): the first param
+    group's ``lr``, ``momentum`` and ``betas`` (None where it has no such setting), and
+    every group's rate under ``lr_groups`` when they differ (else None)."""
+    groups = optimizer.param_groups
+    first = groups[0]
+    rates = [float(g["lr"]) for g in groups]
+    return {"lr": rates[0],
+            "momentum": float(first["momentum"]) if "momentum" in first else None,
+            "betas": [float(b) for b in first["betas"]] if "betas" in first else None,
+            "lr_groups": rates if len(set(rates)) > 1 else None}
 
 
 def _momentum_of(group: Mapping[str, Any]) -> float:

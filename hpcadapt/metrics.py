@@ -15,17 +15,22 @@ __all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "Metri
 
 @dataclass(frozen=True)
 class StepRecord:
+    """One step as the optimizer took it: ``lr`` and ``momentum``/``betas`` are the first
+    param group's values at its update (None where the optimizer has no such setting),
+    ``lr_groups`` every group's rate when they differ."""
     step: int
     epoch: int
     world_size: int
     batch_size: int
     lr: float
-    momentum: float
+    momentum: Optional[float]
     loss: float
     samples_per_s: float
     step_time_s: float
     cluster_version: int
     monitors: Dict[str, float] = field(default_factory=dict)
+    betas: Optional[List[float]] = None
+    lr_groups: Optional[List[float]] = None
     event: str = "step"
 
 
