@@ -3,6 +3,12 @@
     mpiexec -n 2 python examples/mnist1d_adamw.py --epochs 10 \
         --policy gns-batch --gns-batch-max 512 --lr-rule sqrt --metrics-file run.jsonl
 
+With --cosine the learning rate follows a cosine over the run, keyed on progress in samples
+(hpcadapt.ProgressLR), so that it ends where it should however gns-batch grows the batch:
+
+    mpiexec -n 2 python examples/mnist1d_adamw.py --epochs 10 --cosine \
+        --policy gns-batch --gns-batch-max 512 --metrics-file run.jsonl
+
 Every flag of `hpcadapt.add_arguments` works here as on `python -m hpcadapt.train`: policies,
 monitors, --max-workers (growing and shrinking: see elastic.sh), --checkpoint (preemption),
 --device (a GPU per rank when there is one). --amp trains in mixed precision (autocast and a
@@ -17,6 +23,7 @@ hpcadapt.block_stop_signals()
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import math  # noqa: E402
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -66,6 +73,8 @@ def main():
     parser.add_argument("--samples", type=int, default=5000, help="MNIST-1D samples in all")
     parser.add_argument("--workers", type=int, default=2, help="loader worker processes")
     parser.add_argument("--amp", action="store_true", help="mixed precision")
+    parser.add_argument("--cosine", action="store_true",
+                        help="cosine learning-rate decay over the run, by samples seen")
     parser.add_argument("--amp-init-scale", type=float, default=2.0 ** 16,
                         help="the gradient scaler's first loss scale")
     hpcadapt.add_arguments(parser)             # --policy, --max-workers, --checkpoint, ...
@@ -83,8 +92,15 @@ def main():
     half = torch.float16 if device.type == "cuda" else torch.bfloat16
     scaler = torch.amp.GradScaler(device.type, init_scale=args.amp_init_scale,
                                   enabled=args.amp)
-    # the scaler's loss scale travels with resizes and checkpoints, like the EMA weights
-    job.setup(model, optimizer, loader, extra={"ema": ema, "updates": 0, "scaler": scaler})
+    extra = {"ema": ema, "updates": 0, "scaler": scaler}
+    if args.cosine:
+        # Written in steps at the starting batch; ProgressLR steps it by samples seen.
+        total = args.epochs * math.ceil(len(data.x_train) / args.batch_size)
+        extra["schedule"] = hpcadapt.ProgressLR(
+            torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total), job)
+    # the scaler's loss scale and the schedule travel with resizes and checkpoints, like
+    # the EMA weights; after a recovered failure they are as if it had not happened
+    job.setup(model, optimizer, loader, extra=extra)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=0.05)
     x_test, y_test = data.x_test.to(device), data.y_test.to(device)
 
@@ -93,11 +109,15 @@ def main():
             x, y = x.to(device), y.to(device)
             with torch.autocast(device.type, dtype=half, enabled=args.amp):
                 loss = loss_fn(model(x), y)
-            job.step(loss, scaler=scaler)      # backward, allreduce, AdamW step
+            if not job.step(loss, scaler=scaler):   # backward, allreduce, AdamW step
+                continue                       # a micro-batch (--max-local-batch) or a step
+                                               # a failure gave up: no update to follow
             with torch.no_grad():
                 for e, p in zip(ema.parameters(), model.parameters()):
                     e.lerp_(p, 0.05)
             job.extra["updates"] += 1
+            if args.cosine:
+                job.extra["schedule"].step()
         job.log_epoch(test_accuracy=hpcadapt.evaluate_accuracy(model, x_test, y_test),
                       ema_accuracy=hpcadapt.evaluate_accuracy(ema, x_test, y_test))
     job.finish()                               # prints the summary; exit 75 after a stop signal

@@ -21,6 +21,7 @@ _HOMES = {
     ".job": ["Job", "JobOptions"],
     ".strategy": ["Strategy", "STRATEGIES"],
     ".loader": ["ElasticDataLoader"],
+    ".progress": ["ProgressLR"],
     ".args": ["add_arguments"],
     ".preemption": ["block_stop_signals", "EXIT_REQUEUE"],
     ".state": ["UserState", "TrainingState"],

@@ -311,6 +311,7 @@ class Job:
         # call ran for a step given up, and is undone when the loop asks for the next batch.
         self._undo_at_next_batch: Optional[StepCommit] = None
         self._used_settings: Dict[str, Any] = {}  # the optimizer's, at the last update
+        self._part = None  # this rank's share of the step in flight (sampler.StepSlice)
         self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
         self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
         self._finish_requested = False
@@ -520,6 +521,47 @@ class Job:
         """The number of committed steps: a step given up by a recovery is not counted,
         and the user's code after its ``job.step`` is undone at the loop's next batch."""
         return self.state.step if self.state is not None else 0
+
+    # -- progress, for schedulers (read-only; every rank sees the same values) ---------------
+    @property
+    def global_batch_size(self) -> int:
+        """The global batch of the next step (policies change it)."""
+        return self._require_setup().hyper.batch_size
+
+    @property
+    def local_batch_size(self) -> int:
+        """This rank's share of the current step's global batch (0 for an empty share)."""
+        if self._part is not None:
+            return len(self._part.indices)
+        return len(self._require_setup().sampler.peek(self.global_batch_size, self.rank,
+                                                      self.size).indices)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """The micro-batches this rank's share is cut into (``--max-local-batch``): the
+        batches the loader yields, and ``job.step`` calls, per step."""
+        return max(1, len(split_micro(np.arange(self.local_batch_size),
+                                      self.options.max_local_batch)))
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples trained on in committed steps, over all epochs (the global cursor)."""
+        st = self._require_setup()
+        return st.epoch * st.sampler.num_samples + st.sampler.cursor
+
+    @property
+    def epoch_progress(self) -> float:
+        """Training progress in epochs, as a float (2.5: half-way through the third)."""
+        st = self._require_setup()
+        return self.samples_seen / st.sampler.num_samples
+
+    @property
+    def scale_invariant_steps(self) -> float:
+        """The steps a run at the starting global batch would have taken for the samples
+        seen so far (AdaptDL's progress): a step-based LR schedule keyed on this is the
+        same whatever batch sizes the policies chose (see ``hpcadapt.ProgressLR``)."""
+        st = self._require_setup()
+        return self.samples_seen / st.origin["batch_size"]
 
     @property
     def _recoverable(self) -> bool:
@@ -842,7 +884,7 @@ class Job:
                     "indices": indices.tolist()}) + "\n")
 
     def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None,
-             scaler: Optional[Any] = None) -> None:
+             scaler: Optional[Any] = None) -> bool:
         """Backward of ``loss`` (the mean over the batch the loader yielded), then, after
         the step's last micro-batch, the gradient allreduce (overlapped with backward) and
         the optimizer step. Use it instead of ``loss.backward(); optimizer.step()``.
@@ -850,7 +892,13 @@ class Job:
         ``scaler``: a ``torch.amp.GradScaler`` for mixed precision (pass the unscaled
         loss): backward runs on the scaled loss, the averaged gradients are unscaled before
         the monitors, clipping and the update, and a step whose gradients overflowed is
-        the scaler's to skip (it lowers the scale), not a divergence."""
+        the scaler's to skip (it lowers the scale), not a divergence.
+
+        Returns True when this call ended a step that committed (its last micro-batch; a
+        bounded-delay worker's update handed to the aggregator); False for a step's other
+        micro-batches and for a step that a peer's failure gave up (what the loop body does
+        after it is then undone at the next batch). ``if job.step(loss): scheduler.step()``
+        steps a scheduler once per step under ``--max-local-batch`` too."""
         if not self._step_open or self._micro_left <= 0:
             raise ConfigurationError("job.step(loss) is called once per batch the loader "
                                      "yields, inside `for batch in loader`")
@@ -870,7 +918,8 @@ class Job:
             self._micro_left -= 1
             if self._micro_left == 0:
                 self._send_async_update(clip_grad_norm)
-            return
+                return True
+            return False
         if scaler is not None:
             scaled = scaler.scale(scaled)
         last = self._micro_left == 1
@@ -881,18 +930,18 @@ class Job:
             with self.optimizer.no_sync():
                 scaled.backward()
         self._micro_left -= 1
-        if last:
-            self._finish_step(clip_grad_norm, scaler)
+        return self._finish_step(clip_grad_norm, scaler) if last else False
 
     def _finish_step(self, clip_grad_norm: Optional[float] = None,
-                     scaler: Optional[Any] = None) -> None:
+                     scaler: Optional[Any] = None) -> bool:
+        """The step's exchange and update; whether the step committed."""
         st = self.state
         t1 = time.perf_counter()
         try:
             stats = self.optimizer.synchronize()
         except world_mod.PeerFailure as exc:
             self._recover(exc)  # or ends the job
-            return
+            return False
         self._slow_down(self.options.slow_comm, time.perf_counter() - t1)  # --slow-comm
         t2 = time.perf_counter()
         self._read_control(stats.extras, self._part.global_count)
@@ -941,7 +990,7 @@ class Job:
                 self.optimizer.average_models()  # local SGD: the replicas become one
             except world_mod.PeerFailure as exc:
                 self._recover(exc)  # the step is done on every survivor; training goes on
-                return
+                return True
         t3 = time.perf_counter()
         self._prev_local = (t3 - self._t_step, t1 - self._t_step, t2 - t1)
         self._own_compute = max(0.0, t1 - self._t_step - self._slept)
@@ -949,6 +998,7 @@ class Job:
         self.world.watch.note_step(self._step_time)
         self._last_count = self._part.global_count
         self._step_open = False
+        return True
 
     def _slow_down(self, factor: float, seconds: float) -> float:
         """--slow-rank R with --slow-compute/--slow-comm F: rank R takes F times as long for

@@ -1,9 +1,9 @@
 """The numbers logged are the optimizer's own: the rate each update used (a user's LambdaLR
 moving it), per param group when the groups differ, and AdamW's betas instead of a
-momentum it does not have."""
+momentum it does not have. The job's progress values (global and local batch, accumulation
+steps, samples seen, epochs as a float, scale-invariant steps) say where training stands."""
 
 import json
-import sys
 
 import pytest
 
@@ -12,15 +12,25 @@ from conftest import ROOT, run_mpi
 pytestmark = pytest.mark.slow
 
 
-def test_each_step_logs_the_rates_and_betas_the_optimizer_used(tmp_path):
+@pytest.mark.parametrize("cap", [None, 16])
+def test_each_step_logs_the_optimizers_numbers_and_the_progress_is_right(tmp_path, cap):
     out, metrics = tmp_path / "used.json", tmp_path / "m.jsonl"
     run_mpi(2, [str(ROOT / "tests" / "scripts" / "adamw_lambda.py"), "--out", str(out),
-                "--metrics-file", str(metrics)])
-    used = json.loads(out.read_text())
+                "--metrics-file", str(metrics)] +
+            (["--max-local-batch", str(cap)] if cap else []))
+    batches = json.loads(out.read_text())
+    per_step = 1 if cap is None else 2  # rank 0's share of 64 is 32: two micro-batches of 16
+    used = batches[::per_step]
     steps = [json.loads(line) for line in metrics.read_text().splitlines()
              if json.loads(line)["event"] == "step"]
     assert len(steps) == len(used) > 10
-    for row, rates in zip(steps, used):
-        assert row["lr"] == rates[0] and row["lr_groups"] == rates
+    for row, b in zip(steps, used):
+        assert row["lr"] == b["lrs"][0] and row["lr_groups"] == b["lrs"]
         assert row["momentum"] is None and row["betas"] == [0.8, 0.99]
     assert steps[0]["lr"] == pytest.approx(0.003 / 50)  # the warm-up's, not --lr's
+    size = batches[0]["size"]
+    for i, b in enumerate(used[:-1]):  # the last step of the epoch may be short
+        assert b["global"] == 64 and b["local"] == 32 and b["accumulation"] == per_step
+        assert b["seen"] == 64 * i
+        assert b["epochs"] == pytest.approx(64 * i / size)
+        assert b["steps"] == pytest.approx(i)  # the batch never changed: steps are steps

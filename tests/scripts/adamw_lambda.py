@@ -1,6 +1,7 @@
-"""AdamW with a LambdaLR warm-up stepped after every ``job.step``: writes the rate each
-update used (read from the optimizer just before ``job.step``) to ``--out`` (rank 0), for
-the test that the metrics log the optimizer's own numbers."""
+"""AdamW with a LambdaLR warm-up stepped after every ``job.step``: writes, for every batch,
+the rates the update used (read from the optimizer just before ``job.step``) and the job's
+progress values to ``--out`` (rank 0), for the tests that the metrics log the optimizer's
+own numbers and that the progress values are right."""
 
 import hpcadapt
 
@@ -33,9 +34,13 @@ def main():
     used = []
     for _ in job.epochs(1):
         for x, y in loader:
-            used.append([g["lr"] for g in optimizer.param_groups])
-            job.step(nn.functional.cross_entropy(model(x), y))
-            scheduler.step()
+            used.append({"lrs": [g["lr"] for g in optimizer.param_groups],
+                         "global": job.global_batch_size, "local": job.local_batch_size,
+                         "accumulation": job.accumulation_steps, "seen": job.samples_seen,
+                         "epochs": job.epoch_progress, "steps": job.scale_invariant_steps,
+                         "size": len(loader.dataset)})
+            if job.step(nn.functional.cross_entropy(model(x), y)):
+                scheduler.step()  # once per step, also with micro-batches
     job.finish()
     if job.rank == 0:
         with open(args.out, "w") as f:
