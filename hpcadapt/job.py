@@ -312,6 +312,7 @@ class Job:
         self._undo_at_next_batch: Optional[StepCommit] = None
         self._used_settings: Dict[str, Any] = {}  # the optimizer's, at the last update
         self._part = None  # this rank's share of the step in flight (sampler.StepSlice)
+        self._round_nonfinite = 0  # a bounded-delay round's non-finite updates (control)
         self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
         self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
         self._finish_requested = False
@@ -459,7 +460,8 @@ class Job:
                 self.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
                 log.info("training on %d workers, global batch %d, strategy %s, policies: %s",
-                         self.world.size, hyper.batch_size, self.state.strategy.describe(),
+                         self.world.size, self.state.hyper.batch_size,
+                         self.state.strategy.describe(),
                          ", ".join(p.name for p in self.engine.policies) or "none")
         return self
 
@@ -779,8 +781,11 @@ class Job:
         st.step += steps
         self._in_flight = None  # committed
         self._read_control(control, count)
-        # only finite updates were applied: a round with none counts as a skipped step
-        self._nonfinite_run = 0 if math.isfinite(self.last_loss) else self._nonfinite_run + 1
+        # Only finite updates were applied; the guard counts updates, not rounds: a round
+        # that applied none adds its non-finite updates to the run, one that applied any
+        # ends it.
+        self._nonfinite_run = 0 if math.isfinite(self.last_loss) else \
+            self._nonfinite_run + max(1, self._round_nonfinite)
         t_end = time.perf_counter()
         self._step_time = t_end - self._t_step
         self.world.watch.note_step(self._step_time / max(steps, 1))
@@ -851,8 +856,10 @@ class Job:
                 values[1 + 3 * size + w] = report.trained.get(w, 0)
             values[1] = report.round_s / max(report.applications, 1)
             stop_file = self.options.stop_file
-            values[-2] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
-        values[-1] = 1.0 if self.stop_signals is not None and self.stop_signals.received else 0.0
+            values[_STOP_FILE] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
+            values[_NONFINITE_UPDATES] = report.nonfinite_updates
+        values[_STOP_SIGNAL] = 1.0 if self.stop_signals is not None and \
+            self.stop_signals.received else 0.0
         return values
 
     def _record_round(self, report, step0: int, steps: int) -> None:
@@ -1021,9 +1028,11 @@ class Job:
         return max(self.world.size, cap)
 
     def _extra_slots(self) -> int:
-        # loss sum, per-rank step, compute and wait times and sample counts, then the stop
-        # file (rank 0 looks) and the number of ranks that received a stop signal.
-        return 3 + 4 * self._slot_ranks()
+        # loss sum, per-rank step, compute and wait times and sample counts, then a round's
+        # non-finite updates, the stop file (rank 0 looks) and the number of ranks that
+        # received a stop signal (the last three: _NONFINITE_UPDATES, _STOP_FILE,
+        # _STOP_SIGNAL).
+        return 4 + 4 * self._slot_ranks()
 
     def _stage_control(self) -> None:
         size, rank = self._slot_ranks(), self.world.rank
@@ -1035,8 +1044,10 @@ class Job:
         extras[1 + 2 * size + rank] = wait_t
         extras[1 + 3 * size + rank] = len(self._part.indices)
         stop_file = self.options.stop_file
-        extras[-2] = 1.0 if rank == 0 and stop_file and os.path.exists(stop_file) else 0.0
-        extras[-1] = 1.0 if self.stop_signals is not None and self.stop_signals.received else 0.0
+        extras[_STOP_FILE] = 1.0 if rank == 0 and stop_file and os.path.exists(stop_file) \
+            else 0.0
+        extras[_STOP_SIGNAL] = 1.0 if self.stop_signals is not None and \
+            self.stop_signals.received else 0.0
         self.optimizer.stage_extras(extras)
 
     def _read_control(self, extras: np.ndarray, global_count: int) -> None:
@@ -1044,8 +1055,9 @@ class Job:
         self.last_loss = extras[0] / global_count if global_count else float("nan")
         self.last_times = StepTimes(*(extras[1 + k * cap:1 + k * cap + n].copy()
                                       for k in range(4)))
-        self._stop_requested = bool(extras[-1] > 0.5)
-        self._finish_requested = bool(extras[-2] > 0.5)
+        self._stop_requested = bool(extras[_STOP_SIGNAL] > 0.5)
+        self._finish_requested = bool(extras[_STOP_FILE] > 0.5)
+        self._round_nonfinite = int(extras[_NONFINITE_UPDATES])
 
     # -- hyper-parameters ------------------------------------------------------------------
     def _apply_lr(self, lr: float) -> None:
@@ -1956,14 +1968,15 @@ class Job:
         code 1, not requeued (a requeue would diverge again)."""
         st, n = self.state, self._nonfinite_run
         self._requeue = False
-        name = f"{n} steps with a non-finite loss"
+        unit = "updates" if st.strategy.asynchronous and self.world.size > 1 else "steps"
+        name = f"{n} {unit} with a non-finite loss"
         self.stopped = name
         saved = np.zeros(1, dtype=np.int64)
         if self.world.rank == 0:
             finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-            log.error("the loss was not finite for %d steps in a row (up to step %d, learning "
+            log.error("the loss was not finite for %d %s in a row (up to step %d, learning "
                       "rate %.4g, batch %d): training stops. Lower the learning rate (--lr), "
-                      "clip gradients, or raise --max-nonfinite-steps", n, st.step,
+                      "clip gradients, or raise --max-nonfinite-steps", n, unit, st.step,
                       st.hyper.lr, st.hyper.batch_size)
             if finite and self.options.checkpoint:
                 saved[0] = self._save_for_stop(name)
@@ -2079,6 +2092,11 @@ def MPI_COMM_NULL():
     from mpi4py import MPI
 
     return MPI.COMM_NULL
+
+
+# The last control slots (Job._extra_slots): a bounded-delay round's non-finite updates, the
+# stop file (rank 0 looks), the ranks that received a stop signal.
+_NONFINITE_UPDATES, _STOP_FILE, _STOP_SIGNAL = -3, -2, -1
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

@@ -172,3 +172,20 @@ def test_a_worker_killed_in_a_round_is_recovered_and_rounds_go_on(tmp_path):
     assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
     every_sample_once(run.samples)
     run.assert_no_process_left()
+
+
+def test_the_divergence_guard_counts_updates_not_rounds(tmp_path):
+    """--lr 1e6 under bounded delay: the updates turn non-finite; the guard counts them (one
+    round of 20 steps holds far more than --max-nonfinite-steps 5), so the job stops with
+    exit code 1 in the first rounds, saying how many updates, instead of training its 10
+    epochs to the end at chance accuracy."""
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable] + TRAIN +
+                          ["--strategy", "bounded-delay", "--async-round-steps", "20",
+                           "--lr", "1e6", "--epochs", "10", "--metrics-file", str(metrics)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["stopped"].split(" with ")[0].endswith("updates"), summary["stopped"]
+    assert int(summary["stopped"].split()[0]) >= 5
+    assert summary["bounded_delay"]["rounds"] <= 5, summary
