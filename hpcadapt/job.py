@@ -1472,6 +1472,7 @@ class Job:
         self.sink.close()
         if self._sample_file is not None:
             self._sample_file.close()
+        self._close_loader()
         if self.elastic is not None and self.world.rank == 0:
             self.elastic.stop_spares()
             for w in self.elastic.pending.workers if self.elastic.pending is not None else []:
@@ -1753,6 +1754,7 @@ class Job:
 
     def _leave(self) -> None:
         """This rank left the job in a shrink: nothing of it is needed any more."""
+        self._close_loader()
         self.sink.close()
         if self._sample_file is not None:
             self._sample_file.close()
@@ -2036,6 +2038,7 @@ class Job:
         is released. After a stop signal it exits with 75 (the job script requeues) or 1
         when the state could not be saved, unless ``exit=False`` (then see ``exit_code``)."""
         summary = self.summary()
+        self._close_loader()
         if self.world.rank == 0:
             if self.options.progress:
                 sys.stderr.write("\n")
@@ -2066,6 +2069,16 @@ class Job:
         if exit and self.exit_code:
             sys.exit(self.exit_code)
         return summary
+
+    def _close_loader(self) -> None:
+        """The loader's worker processes end now, cleanly (their temporary folders go with
+        them), not when the interpreter kills them on its way out."""
+        loader = getattr(self, "loader", None)
+        if loader is not None:
+            try:
+                loader.close()
+            except Exception as exc:  # best effort on the way out
+                log.warning("the data loader's workers did not stop cleanly: %s", exc)
 
     def _require_setup(self) -> TrainingState:
         if self.state is None:

@@ -133,6 +133,19 @@ class ElasticDataLoader:
                                      "before iterating it")
         return self._job._batches()
 
+    def close(self) -> None:
+        """Stop the worker processes now (``job.finish`` calls it): they exit through their
+        normal path, removing their temporary folders, instead of being killed at the
+        interpreter's exit seconds later. The loader cannot be iterated afterwards."""
+        iterator = self._loader._iterator if self._loader is not None else None
+        for it in (iterator, self._iter):
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        if self._loader is not None:
+            self._loader._iterator = None
+        self._iter = None
+
     # -- used by the job -----------------------------------------------------------------
     def restart(self, key: WalkKey, start: int) -> None:
         """Begin a new walk at ``start`` (dropping what was prefetched for the old one)."""

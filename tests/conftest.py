@@ -13,6 +13,37 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The session's own temporary folder, for the tests and every process they start (TMPDIR is
+# inherited): what a test leaves there (loader workers' pymp-*, hpcadapt-* folders) fails
+# that test, so that nothing accumulates in /tmp. pytest's own folders and torch's compile
+# cache are not a test's leftovers.
+import tempfile  # noqa: E402
+
+SESSION_TMP = tempfile.mkdtemp(prefix="hpcadapt-tests-")
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = None
+_NOT_LEFTOVERS = ("pytest-of-", "torchinductor_")
+
+
+def _temp_entries() -> set:
+    return {n for n in os.listdir(SESSION_TMP) if not n.startswith(_NOT_LEFTOVERS)}
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_in_temp(request):
+    before = _temp_entries()
+    yield
+    left = sorted(_temp_entries() - before)
+    for name in left:  # one test fails for them, not every test after it
+        shutil.rmtree(os.path.join(SESSION_TMP, name), ignore_errors=True)
+    if left:
+        pytest.fail(f"{request.node.nodeid} left {left} in the temporary folder")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _temp_entries():
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
 
 def mpiexec() -> str:
     """The mpiexec beside this Python (the venv's MPICH wheel), else the one on PATH."""
