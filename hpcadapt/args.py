@@ -160,6 +160,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "lacks (e.g. mpiexec -n 1) are started as joined workers before the "
                         "first step, each its own launch, so that any of them that dies is "
                         "recovered from (--on-failure); needs --max-workers")
+    e.add_argument("--resume-size", choices=["saved", "launch"], default="saved",
+                   help="on a resume from --checkpoint (a restart, a Slurm requeue): grow back "
+                        "to the number of workers the checkpoint was written by (saved; needs "
+                        "--max-workers, capped by it) or train at the launch's size (launch)")
     e.add_argument("--allocator", choices=ALLOCATORS, default="auto",
                    help="where added workers come from: slurm (companion allocations), "
                         "local (this host), auto (slurm inside a Slurm job, else local)")

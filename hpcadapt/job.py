@@ -88,6 +88,7 @@ class JobOptions:
     max_workers: Optional[int] = None
     min_workers: int = 1
     initial_workers: Optional[int] = None
+    resume_size: str = "saved"
     warm_spares: int = 0
     allocator: str = "auto"
     launcher: str = "process"
@@ -454,8 +455,9 @@ class Job:
             if o.warm_spares and self.elastic is None:
                 raise on_every_rank(ConfigurationError(
                     "--warm-spares needs --max-workers (the allocator that starts them)"))
-            if o.initial_workers is not None and o.initial_workers > self.world.size:
-                self._start_initial_workers(o.initial_workers)
+            start_size, reason = self._start_size()
+            if start_size > self.world.size:
+                self._start_initial_workers(start_size, reason)
             if self.elastic is not None:
                 self.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
@@ -465,14 +467,44 @@ class Job:
                          ", ".join(p.name for p in self.engine.policies) or "none")
         return self
 
-    def _start_initial_workers(self, count: int) -> None:
+    def _start_size(self) -> tuple:
+        """(the size to train at from the first step, why): --initial-workers, or on a
+        resume the size the checkpoint was written at (--resume-size saved), capped by
+        --max-workers; each case that does not grow back says so in one line."""
+        o = self.options
+        want = o.initial_workers or 0
+        saved = self.state.world_size if self._resumed else 0
+        if saved <= max(want, self.world.size):
+            return want, "initial workers"
+        now = max(want, self.world.size)
+        if o.resume_size == "launch":
+            self._say_once("the checkpoint was written by %d workers; --resume-size launch: "
+                           "training goes on at %d", saved, now)
+            return want, "initial workers"
+        if self.elastic is None:
+            self._say_once("the checkpoint was written by %d workers; without --max-workers "
+                           "the job cannot grow back: training goes on at %d (start with "
+                           "--max-workers %d, or -n %d)", saved, now, saved, saved)
+            return want, "initial workers"
+        reach = min(saved, o.max_workers)
+        self._say_once("the checkpoint was written by %d workers: growing back to %d before "
+                       "the first step%s (--resume-size launch keeps the launch's %d)", saved,
+                       reach, f" (--max-workers {o.max_workers})" if reach < saved else "",
+                       self.world.size)
+        return reach, f"resuming at the checkpoint's {saved} workers"
+
+    def _say_once(self, message: str, *args: Any) -> None:
+        if self.world.rank == 0:
+            log.warning(message, *args)
+
+    def _start_initial_workers(self, count: int, reason: str = "initial workers") -> None:
         """--initial-workers: the workers the launch lacks join before the first step, each
         its own launch (a dead one is then recovered from; a rank of a shared launch is not).
         A grow that fails or times out leaves the job training at the size it has."""
         if self.elastic is None:
             raise ConfigurationError("--initial-workers needs --max-workers (the allocator "
                                      "that starts them)")
-        self.request_resize(count, "initial workers")
+        self.request_resize(count, reason)
         while self.elastic.growing:
             self._poll_elastic()
             time.sleep(0.02)
@@ -1948,6 +1980,7 @@ class Job:
 
     def save_checkpoint(self, path: str) -> None:
         """Rank 0: write the whole training state to ``path`` atomically."""
+        self.state.world_size = self.world.size
         self.state.save(path, cluster_version=self.world.cluster_version,
                         identity=self.identity)
 

@@ -144,6 +144,8 @@ class TrainingState:
         # Whether the job has entered its epoch loop (its before_train hooks ran): a worker
         # that joins before that (--initial-workers) runs the hooks with everyone else.
         self.started = False
+        # The number of workers training when this state was written (a resume grows back).
+        self.world_size = 1
         self.last_accuracy = float("nan")
         # The reference rate the param groups hold now (they move by lr / applied_lr).
         self.applied_lr = hyper.lr
@@ -164,7 +166,7 @@ class TrainingState:
                 "policies": self.policies.state_dict() if self.policies is not None else {},
                 "user": self.user.state_dict(), "origin": dict(self.origin),
                 "strategy": self.strategy.to_dict(), "topology": self.topology,
-                "started": self.started}
+                "started": self.started, "world_size": self.world_size}
 
     def load_meta(self, meta: Mapping[str, Any]) -> None:
         self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
@@ -186,6 +188,7 @@ class TrainingState:
         if meta.get("topology"):
             self.topology = str(meta["topology"])
         self.started = bool(meta.get("started", True))  # older checkpoints: a started job
+        self.world_size = int(meta.get("world_size", 1))
 
     # -- sync ------------------------------------------------------------------------------
     def broadcast(self, view, *, is_root: bool, root: int = 0) -> int:
