@@ -1138,8 +1138,9 @@ class Job:
         every = self.options.checkpoint_every
         # the steps this boundary closes: one, or a bounded-delay round's
         closed = max(1, -(-count // st.hyper.batch_size))
+        # (not while the loss is non-finite: the last good save is not written over)
         if every and self.options.checkpoint and self.world.rank == 0 \
-                and st.step // every > (st.step - closed) // every:
+                and st.step // every > (st.step - closed) // every and not self._nonfinite_run:
             self._save_periodically()
         # A recovery inside a hook or the grow's poll ends the boundary at once: the other
         # survivors may already be in the next step, which every rank then starts afresh
@@ -1997,29 +1998,30 @@ class Job:
             self.stopped = f"{name}; state NOT saved"
 
     def _stop_for_divergence(self) -> None:
-        """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps. The
-        skipped steps changed nothing, so the state is the last good one: rank 0 saves it
-        (unless the weights themselves are no longer finite) and the job ends with exit
-        code 1, not requeued (a requeue would diverge again)."""
+        """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps (updates
+        under bounded delay). The state in memory is not the last good one: the update
+        before the run (a finite but exploding loss) was applied, so it is not saved; the
+        last checkpoint on disk (a --checkpoint-every save or an earlier stop's) is kept
+        and named. The job ends with exit code 1, not requeued (it would diverge again)."""
         st, n = self.state, self._nonfinite_run
         self._requeue = False
         unit = "updates" if st.strategy.asynchronous and self.world.size > 1 else "steps"
         name = f"{n} {unit} with a non-finite loss"
-        self.stopped = name
-        saved = np.zeros(1, dtype=np.int64)
-        if self.world.rank == 0:
-            finite = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-            log.error("the loss was not finite for %d %s in a row (up to step %d, learning "
-                      "rate %.4g, batch %d): training stops. Lower the learning rate (--lr), "
-                      "clip gradients, or raise --max-nonfinite-steps", n, unit, st.step,
-                      st.hyper.lr, st.hyper.batch_size)
-            if finite and self.options.checkpoint:
-                saved[0] = self._save_for_stop(name)
-            elif not finite:
-                log.error("the weights are no longer finite: no checkpoint written")
-        communicator(self.world).broadcast(saved, root=0)
-        if not saved[0]:
-            self.stopped = f"{name}; state NOT saved"
+        self.stopped = f"{name}; state NOT saved"
+        if self.world.rank != 0:
+            return
+        log.error("the loss was not finite for %d %s in a row (up to step %d, learning "
+                  "rate %.4g, batch %d): training stops. Lower the learning rate (--lr), "
+                  "clip gradients, or raise --max-nonfinite-steps", n, unit, st.step,
+                  st.hyper.lr, st.hyper.batch_size)
+        path = self.options.checkpoint
+        kept = _checkpoint_step(path) if path else None
+        if kept is not None:
+            log.error("the state in memory holds the update that diverged and is not saved; "
+                      "%s keeps the checkpoint of step %d", path, kept)
+        else:
+            log.error("the state in memory holds the update that diverged and is not saved; "
+                      "no earlier checkpoint exists%s", "" if path else " (no --checkpoint)")
 
     def _save_periodically(self) -> None:
         """Rank 0, --checkpoint-every: a failed write is logged and training goes on."""
@@ -2143,6 +2145,18 @@ def MPI_COMM_NULL():
 # The last control slots (Job._extra_slots): a bounded-delay round's non-finite updates, the
 # stop file (rank 0 looks), the ranks that received a stop signal.
 _NONFINITE_UPDATES, _STOP_FILE, _STOP_SIGNAL = -3, -2, -1
+
+
+def _checkpoint_step(path: str) -> Optional[int]:
+    """The step a readable checkpoint at ``path`` holds, or None."""
+    from .state import read_checkpoint
+
+    if not os.path.exists(path):
+        return None
+    try:
+        return int(read_checkpoint(path)["meta"]["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

@@ -261,7 +261,9 @@ def test_a_non_finite_update_in_a_bounded_delay_round_is_skipped(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_diverging_run_stops_with_the_last_good_state_and_is_not_requeued(tmp_path):
+def test_a_diverging_run_stops_without_saving_the_blown_up_state_and_is_not_requeued(tmp_path):
+    """--lr 1e6: the first updates blow the weights up; the state in memory holds them, so
+    it is not saved (a resume from it diverged at once), and the job is not requeued."""
     ckpt = tmp_path / "c.ckpt"
     proc = run_mpi(2, ["-m", "hpcadapt.train", "--lr", "1e6", "--epochs", "3", "--no-progress",
                        "--checkpoint", str(ckpt), "--max-nonfinite-steps", "3"],
@@ -269,8 +271,26 @@ def test_a_diverging_run_stops_with_the_last_good_state_and_is_not_requeued(tmp_
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "the loss was not finite for 3 steps in a row" in proc.stderr
     assert "is skipped (3 in a row)" in proc.stderr
+    assert "is not saved; no earlier checkpoint exists" in proc.stderr
+    assert not ckpt.exists()
     s = summary_of(proc.stdout)
-    assert s["stopped"].startswith("3 steps with a non-finite loss") and s["epochs"] == 0
+    assert s["stopped"] == "3 steps with a non-finite loss; state NOT saved" and s["epochs"] == 0
+
+
+@pytest.mark.slow
+def test_a_diverging_run_keeps_the_last_periodic_checkpoint(tmp_path):
+    """Non-finite losses at steps 2-4 after a --checkpoint-every 2 save: no save is written
+    while the loss is non-finite, and the save of step 2 is kept and named."""
+    ckpt, out = tmp_path / "c.ckpt", tmp_path / "o.json"
+    flags = ["--no-progress", "--checkpoint", str(ckpt), "--checkpoint-every", "2",
+             "--max-nonfinite-steps", "3"]
+    proc = run_mpi(2, [str(SCRIPTS / "fine_print.py"), "--out", str(out), "--nan-at", "2",
+                       "--nan-at", "3", "--nan-at", "4"] + flags, check=False, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"{ckpt} keeps the checkpoint of step 2" in proc.stderr
+    from hpcadapt.state import read_checkpoint
+
+    assert read_checkpoint(str(ckpt))["meta"]["step"] == 2
 
 
 def _amp_run(tmp_path, name, flags):
