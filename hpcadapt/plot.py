@@ -266,11 +266,10 @@ def metric_panel(runs: Dict[str, List[Dict]], name: str) -> Panel:
     for event in ("epoch", "step"):
         if any(_series(rows, event, name, "step")[0] for rows in runs.values()):
             return (name, f"{name} (per {event})", event, False)
-    builtin = {"step", "epoch", "event", "time_s", "unix_time", "world_size", "batch_size",
-               "lr", "loss", "samples_per_s", "test_accuracy", "epoch_time_s",
-               "cluster_version"}
+    from .metrics import RESERVED_EPOCH_KEYS
+
     found = sorted({k for rows in runs.values() for r in rows if r.get("event") == "epoch"
-                    for k in r if k not in builtin})
+                    for k in r if k not in RESERVED_EPOCH_KEYS and k != "wall_s"})
     raise ValueError(f"--metric {name}: no epoch or step line has a number for it (the epoch "
                      f"lines' own metrics: {', '.join(found) or 'none'})")
 
@@ -400,7 +399,7 @@ def build_figure(runs: Dict[str, List[Dict]], metrics: Sequence[str] = ()):
             if key == "world_size":
                 ax.yaxis.get_major_locator().set_params(integer=True)
                 lo, hi = ax.get_ylim()
-                ax.set_ylim(max(0.0, lo - 0.3), hi + 0.6)  # room for the labels above
+                ax.set_ylim(max(0.0, lo - 0.3), hi + 0.8)  # room for the labels above
             if key == "test_accuracy":
                 ax.set_ylim(top=min(1.02, max(ax.get_ylim()[1], 0.0) + 0.02))
             ax.set_title(title, fontsize=9)
@@ -480,10 +479,10 @@ def _draw_events(ax, rows: List[Dict], axis: str, labelled: bool, handles: Dict,
                    gid=gid, **style)
         started = _num(r.get("started_wall_s"))
         if gid == "resume" and axis == "time" and started is not None and started > x:
-            ax.axvspan(x, started, color="0.5", alpha=0.15, linewidth=0, gid="resume-gap")
+            ax.axvspan(x, started, color="0.5", alpha=0.15, linewidth=0, gid="gap:resume")
         if labelled:
             ax.annotate(_event_label(r, gid), xy=(x, 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(2, -2 - 8 * (n % 3)), textcoords="offset points",
+                        xytext=(2, -2 - 8 * (n % 4)), textcoords="offset points",
                         fontsize=6.5, color=style["color"], va="top", gid=f"label:{gid}")
             handles.setdefault(name, Line2D([], [], linewidth=1.2, label=name, **style))
         n += 1
