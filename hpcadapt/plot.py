@@ -109,7 +109,8 @@ def _jobs(rows: List[Dict]) -> List[List[Dict]]:
 
 
 def _last_step(rows: List[Dict]) -> Any:
-    steps = [r["step"] for r in rows if r.get("event") == "step" and _num(r.get("step")) is not None]
+    steps = [r["step"] for r in rows
+             if r.get("event") == "step" and _num(r.get("step")) is not None]
     return steps[-1] if steps else None
 
 
@@ -193,8 +194,15 @@ def _value(row: Dict, key: str) -> Optional[float]:
 
 
 def _series(rows: List[Dict], event: str, key: str, axis: str) -> Tuple[List[float], List[float]]:
+    """``key`` of the ``event`` rows against ``axis``; against wall time a resume breaks the
+    line (a NaN value at the resume), so no line crosses the time the run was away."""
     xs, ys = [], []
     for r in rows:
+        if r.get("event") == "resume" and axis == "time" and ys and ys[-1] == ys[-1]:
+            x = _x(r, axis)
+            if x is not None:
+                xs.append(x)
+                ys.append(math.nan)
         if r.get("event") != event:
             continue
         x, v = _x(r, axis), _value(r, key)
@@ -206,13 +214,18 @@ def _series(rows: List[Dict], event: str, key: str, axis: str) -> Tuple[List[flo
 
 
 def _smooth(ys: List[float], window: int) -> List[float]:
-    """Trailing moving average (the first points average what there is)."""
-    out, total = [], 0.0
+    """Trailing moving average (the first points average what there is); a NaN (a break in
+    the line) stays and the average starts over after it."""
+    out, total, start = [], 0.0, 0
     for i, y in enumerate(ys):
+        if y != y:
+            out.append(y)
+            total, start = 0.0, i + 1
+            continue
         total += y
-        if i >= window:
+        if i - window >= start:
             total -= ys[i - window]
-        out.append(total / min(i + 1, window))
+        out.append(total / min(i - start + 1, window))
     return out
 
 

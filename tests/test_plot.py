@@ -232,6 +232,8 @@ def test_grow_failure_preemption_and_resume_are_one_story(story_rows, tmp_path):
         for ax in p["loss"] + p["test_accuracy"]:
             xs = list(ax.lines[0].get_xdata())
             assert xs == sorted(xs)                      # no zig-zag
+        by_time_loss = list(p["loss"][1].lines[0].get_ydata())
+        assert sum(1 for y in by_time_loss if y != y) == 1  # broken where the run was away
         assert len(p["test_accuracy"][0].lines[0].get_xdata()) == cut + 1  # one point an epoch
         header = fig._suptitle.get_text()
         assert header.startswith(f"story: {cut + 1} epoch(s), ")

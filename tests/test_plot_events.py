@@ -90,9 +90,12 @@ def test_a_stop_and_a_resume_are_inferred_where_the_file_has_none():
         assert len(gap) == 1 and not with_gid(by_step, "gap:resume")
         band = gap[0].get_bbox()   # in data units along x
         assert (band.x0, band.x1) == (pytest.approx(4.1), pytest.approx(6.1))
-        # the loss against wall time never goes back
-        loss = [ax for ax in fig.axes if ax.get_gid() == "loss"][1].lines[0]
-        assert list(loss.get_xdata()) == sorted(loss.get_xdata())
+        # the loss against wall time never goes back, and is broken where the run was away
+        loss_by_step, loss_by_time = [ax.lines[0] for ax in fig.axes if ax.get_gid() == "loss"]
+        assert list(loss_by_time.get_xdata()) == [1.0, 2.0, 3.0, 4.0, 4.1, 6.1, 7.1]
+        ys = list(loss_by_time.get_ydata())
+        assert ys[4] != ys[4] and all(y == y for y in ys[:4] + ys[5:])
+        assert list(loss_by_step.get_xdata()) == [1, 2, 3, 4, 5, 6]
     finally:
         matplotlib.pyplot.close(fig)
 

@@ -11,8 +11,8 @@ from torch.utils.data import TensorDataset
 
 import hpcadapt
 
-BAD = {"string": {"note": "fine"}, "list": {"per_class": [0.5, 0.7]}, "none": {"ema_accuracy": None},
-       "builtin": {"loss": 0.25}}
+BAD = {"string": {"note": "fine"}, "list": {"per_class": [0.5, 0.7]},
+       "none": {"ema_accuracy": None}, "builtin": {"loss": 0.25}}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--case", default="ok", choices=["ok"] + sorted(BAD))
