@@ -1922,10 +1922,16 @@ class Job:
             sys.stderr.write(f"\repoch {st.epoch} step {st.step} loss {self.last_loss:.4f} "
                              f"batch {st.hyper.batch_size} on {self.world.size} workers   ")
 
-    def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: float) -> None:
+    def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: Any) -> None:
         """Record the epoch that just ended (call on every rank, inside ``job.epochs()``):
-        the metrics line, the log, and the accuracy the policies see."""
+        the metrics line, the log, and the accuracy the policies see. Other keywords are
+        the user's own metrics (``ema_accuracy=0.91``): numbers, kept in the epoch line
+        and, the last of each, in the summary. Raises ConfigurationError for a value that
+        is not a number or a name that is a built-in field of the epoch line."""
+        from .metrics import user_metrics
+
         st = self._require_setup()
+        mine = user_metrics(extra)
         if test_accuracy is not None:
             st.last_accuracy = float(test_accuracy)
         elapsed = time.perf_counter() - self._t_epoch
@@ -1937,12 +1943,16 @@ class Job:
                           test_accuracy=st.last_accuracy if test_accuracy is not None
                           else float("nan"), epoch_time_s=elapsed,
                           cluster_version=self.world.cluster_version)
-        self.sink.write(rec)
+        self.sink.write({**asdict(rec), **mine})
+        # the last value of each (set here only: this method and summary are all that
+        # read it, so it needs no slot in __init__)
+        self.user_metrics: Dict[str, float] = {**getattr(self, "user_metrics", {}), **mine}
         self._epoch_logged = True
         if self.world.rank == 0:
             log.info("epoch %d: loss %.4f, test accuracy %.4f, %.0f samples/s, batch %d on "
-                     "%d workers", st.epoch, rec.loss, rec.test_accuracy, rec.samples_per_s,
-                     st.hyper.batch_size, self.world.size)
+                     "%d workers%s", st.epoch, rec.loss, rec.test_accuracy, rec.samples_per_s,
+                     st.hyper.batch_size, self.world.size,
+                     "".join(f", {k} {v:.4g}" for k, v in mine.items()))
 
     # -- preemption and checkpoints ------------------------------------------------------------
     def _resume(self, path: str) -> bool:
@@ -2064,6 +2074,7 @@ class Job:
                         "left": self.left, "cluster_version": self.world.cluster_version,
                         "resizes": self.resizes, "stopped": self.stopped,
                         "strategy": st.strategy.name, "model_digest": self.model_digest(),
+                        "user_metrics": dict(getattr(self, "user_metrics", {})),
                         **({"bounded_delay": self._async_totals}
                            if self._async_totals else {})})
 

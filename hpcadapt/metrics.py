@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import IO, Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, field, fields
+from typing import IO, Any, Dict, List, Mapping, Optional
 
-__all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "MetricsSink"]
+from .errors import ConfigurationError
+
+__all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "MetricsSink",
+           "user_metrics", "RESERVED_EPOCH_KEYS"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,45 @@ class ResizeRecord:
     event: str = "resize"
 
 
+# Names a user metric cannot take: the epoch record's own fields and what the sink adds.
+RESERVED_EPOCH_KEYS = frozenset(f.name for f in fields(EpochRecord)) | {"time_s", "unix_time"}
+
+
+def user_metrics(values: Mapping[str, Any]) -> Dict[str, float]:
+    """The user's epoch metrics as floats, for the epoch record (kept flat beside the
+    built-in fields, so ``jq .ema_accuracy`` reads them). A number (int, float, numpy
+    scalar, 0-d tensor or array) is kept; NaN and infinity too (the file writes them as
+    null, like every non-finite number). Raises ConfigurationError for a value that is not a
+    number (a string, a list, None, a bool, a tensor of more than one value) and for a name
+    that is a built-in field of the epoch record (it would overwrite it)."""
+    out: Dict[str, float] = {}
+    for name, value in values.items():
+        if name in RESERVED_EPOCH_KEYS:
+            raise ConfigurationError(
+                f"log_epoch: the metric name {name!r} is a built-in field of the epoch "
+                f"record; rename it (reserved: {', '.join(sorted(RESERVED_EPOCH_KEYS))})")
+        out[name] = _as_number(name, value)
+    return out
+
+
+def _as_number(name: str, value: Any) -> float:
+    """``value`` as a float, or ConfigurationError naming the metric and its type."""
+    scalar = value
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        scalar = value.item()   # a 0-d tensor or numpy array
+    if isinstance(scalar, numbers.Real) and not isinstance(scalar, bool):
+        return float(scalar)
+    kind = type(value).__module__ + "." + type(value).__qualname__ \
+        if type(value).__module__ != "builtins" else type(value).__name__
+    raise ConfigurationError(f"log_epoch: the metric {name!r} is a {kind} ({_short(value)}), "
+                             f"not a number; pass an int, a float or a 0-d tensor")
+
+
+def _short(value: Any) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _clean(value: Any) -> Any:
     """JSON has no NaN or infinity: write them as null."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -94,6 +137,20 @@ def _clean(value: Any) -> Any:
 
 
 log = logging.getLogger(__name__)
+
+
+def _time_origin(data: bytes) -> Optional[float]:
+    """The unix time at which the sink that wrote the last timed record of ``data`` started
+    (``unix_time - time_s``), or None when no record has both."""
+    for line in reversed(data.splitlines()):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("unix_time"), (int, float)) \
+                and isinstance(row.get("time_s"), (int, float)):
+            return row["unix_time"] - row["time_s"]
+    return None
 
 
 class MetricsSink:
@@ -116,12 +173,12 @@ class MetricsSink:
     @classmethod
     def take_over(cls, path: Optional[str]) -> "MetricsSink":
         """The sink of a new coordinator, appending to the file the dead one wrote: a last
-        line it left half written is cut off, and ``time_s`` goes on from the file's
-        first record (so the run's time axis stays one)."""
+        line it left half written is cut off, and ``time_s`` goes on from the file's last
+        record (so the run's time axis stays one; the last, not the first: a file that a
+        resumed job appends to starts its time over where the resumed job started)."""
         sink = cls(None)
         if not path:
             return sink
-        first = None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             with os.fdopen(fd, "rb+") as f:
@@ -129,18 +186,13 @@ class MetricsSink:
                 keep = data.rfind(b"\n") + 1
                 if keep < len(data):
                     f.truncate(keep)
-                head = data.split(b"\n", 1)[0]
                 sink._file = open(os.dup(f.fileno()), "a", encoding="utf-8", buffering=1)
-            first = json.loads(head) if head else None
         except OSError as exc:
             log.error("the metrics file %s cannot be taken over (%s): no more records", path,
                       exc)
             return sink
-        except ValueError:
-            first = None
-        if isinstance(first, dict) and isinstance(first.get("unix_time"), (int, float)) \
-                and isinstance(first.get("time_s"), (int, float)):
-            started = first["unix_time"] - first["time_s"]
+        started = _time_origin(data[:keep])
+        if started is not None:
             sink._t0 = time.perf_counter() - (time.time() - started)
         return sink
 

@@ -1,14 +1,24 @@
-"""``python -m hpcadapt.plot METRICS.jsonl [MORE.jsonl ...] -o OUT.png``: what an adaptive run
-did, from its metrics file (``--metrics-file``).
+"""``python -m hpcadapt.plot METRICS.jsonl [MORE.jsonl ...] -o OUT.png [--metric NAME]``:
+what an adaptive run did, from its metrics file (``--metrics-file``).
 
 One row per quantity, against steps (left) and wall time (right): training loss, test
-accuracy, workers (world size), global batch size, learning rate, gradient noise scale (with
-the batch size beside it) and throughput. Resizes are vertical lines on every panel, green
-when done and red dashed when not (``"ok": false``), labelled ``2->3`` on the workers panel.
-Policy decisions are markers on the panel of what they changed (batch size, learning rate,
-workers), labelled with the new value, one marker shape and legend entry per policy. A
-panel whose series has no data in any file (the noise scale without a monitor) is left out.
-Several files (``label=path`` names them) are drawn on the same axes, one colour each."""
+accuracy, each ``--metric`` (a user metric of ``job.log_epoch``, or any field of the epoch
+or step lines), workers (world size), global batch size, learning rate, gradient noise scale
+(with the batch size beside it) and throughput. A panel whose series has no data in any file
+(the noise scale without a monitor) is left out. Several files (``label=path`` names them)
+are drawn on the same axes, one colour each.
+
+Every event is a vertical line on every panel, labelled on the workers panel: a resize green
+when done and red dashed when not (``2->3``); a worker's death orange when the job recovered
+(``rank 2 died: 3->2``) and purple dash-dotted when it ended the job; a stop (stop signal,
+preemption) black dotted; a resume grey. A file that a resumed job appended to is one run:
+its wall time goes on from where the stopped job's ended (each job's clock starts at 0; the
+time between the jobs is a grey band as wide as the resumed job's start-up, labelled with
+how long the run was away), and an epoch logged twice (cut by the stop, then finished by the
+resumed job) is drawn once, from its later record. Stops and resumes come from ``stop`` and
+``resume`` lines when the file has them, else from where a job's clock starts over. Policy
+decisions are markers on the panel of what they changed (batch size, learning rate,
+workers), labelled with the new value, one marker shape and legend entry per policy."""
 
 from __future__ import annotations
 
@@ -19,7 +29,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["load_metrics", "build_figure", "plot_runs", "summarize", "PANELS", "main"]
+__all__ = ["load_metrics", "prepare", "build_figure", "plot_runs", "summarize", "PANELS",
+           "EVENT_STYLES", "main"]
 
 # key, title, event the values come from, log scale
 PANELS: Tuple[Tuple[str, str, str, bool], ...] = (
@@ -39,6 +50,16 @@ _RUN_COLOURS = ("C0", "C1", "C4", "C5", "C9", "C6", "C8", "C7")
 _POLICY_MARKERS = ("v", "^", "s", "D", "P", "X", "o", "*")
 RESIZE_OK = {"color": "tab:green", "linestyle": "-"}
 RESIZE_FAILED = {"color": "tab:red", "linestyle": "--"}
+# gid of an event's line -> its style and legend entry
+EVENT_STYLES: Dict[str, Tuple[Dict[str, str], str]] = {
+    "resize-ok": (RESIZE_OK, "resize done"),
+    "resize-failed": (RESIZE_FAILED, "resize NOT done"),
+    "failure-recovered": ({"color": "tab:orange", "linestyle": "-"}, "failure, recovered"),
+    "failure-ended": ({"color": "tab:purple", "linestyle": "-."}, "failure, job ended"),
+    "stop": ({"color": "black", "linestyle": ":"}, "stop (signal, preemption)"),
+    "resume": ({"color": "tab:gray", "linestyle": "-"}, "resume (band: time away)"),
+}
+_NEW_CLOCK_S = 1.0  # a record whose clock started this much later than the one before's: a new job
 _MAX_LABELS = 12  # value labels per policy and panel; more are thinned out
 
 
@@ -59,9 +80,108 @@ def load_metrics(path: str) -> List[Dict]:
     return rows
 
 
+def _num(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _origin(row: Dict) -> Optional[float]:
+    """When the clock of the job that wrote ``row`` started (unix time)."""
+    t, u = _num(row.get("time_s")), _num(row.get("unix_time"))
+    return u - t if t is not None and u is not None else None
+
+
+def _jobs(rows: List[Dict]) -> List[List[Dict]]:
+    """``rows`` cut where a new job's clock starts: ``time_s`` goes back, or the clock's
+    start moves on (a resumed job appends to the same file; a coordinator that takes over
+    keeps the clock). Rows without times stay with the job before them."""
+    jobs: List[List[Dict]] = [[]]
+    last_t = last_origin = None
+    for r in rows:
+        t, origin = _num(r.get("time_s")), _origin(r)
+        if t is not None and last_t is not None and jobs[-1] and (
+                t < last_t or (origin is not None and last_origin is not None
+                               and abs(origin - last_origin) > _NEW_CLOCK_S)):
+            jobs.append([])
+        jobs[-1].append(r)
+        if t is not None:
+            last_t, last_origin = t, origin if origin is not None else last_origin
+    return [j for j in jobs if j]
+
+
+def _last_step(rows: List[Dict]) -> Any:
+    steps = [r["step"] for r in rows
+             if r.get("event") == "step" and _num(r.get("step")) is not None]
+    return steps[-1] if steps else None
+
+
+def _ended_by(job: List[Dict]) -> bool:
+    """Whether ``job`` says why it ended: a stop line or a failure it did not survive."""
+    return any(r.get("event") == "stop" or (r.get("event") == "failure"
+                                            and r.get("recovered") is not True) for r in job)
+
+
+def _between(before: List[Dict], after: List[Dict], wall_end: float) -> List[Dict]:
+    """The stop and resume the file does not say, between two jobs: a stop at the end of
+    ``before`` unless it says why it ended, a resume at the start of ``after`` unless it
+    has a resume line; both marked ``inferred``."""
+    out = []
+    timed_before = [r for r in before if _num(r.get("time_s")) is not None]
+    last = timed_before[-1] if timed_before else {}
+    step = _last_step(before)
+    if not _ended_by(before):
+        out.append({"event": "stop", "inferred": True, "step": step, "wall_s": wall_end,
+                    "unix_time": last.get("unix_time")})
+    if not any(r.get("event") == "resume" for r in after):
+        first = next((r for r in after if _num(r.get("time_s")) is not None), {})
+        started, ended = _origin(first), _num(last.get("unix_time"))
+        out.append({"event": "resume", "inferred": True, "step": step, "wall_s": wall_end,
+                    "started_wall_s": wall_end + (_num(first.get("time_s")) or 0.0),
+                    "away_s": started - ended if started is not None and ended is not None
+                    else None})
+    return out
+
+
+def _latest_per(rows: List[Dict], event: str) -> List[Dict]:
+    """Rows of ``event`` logged again for the same epoch and step (a stopped job's last
+    epoch, finished by the resumed job; a step trained again after a rollback) dropped,
+    but for the later record."""
+    key = "epoch" if event == "epoch" else "step"
+    last_index = {}
+    for i, r in enumerate(rows):
+        if r.get("event") == event:
+            last_index[r.get(key)] = i
+    return [r for i, r in enumerate(rows) if r.get("event") != event
+            or last_index.get(r.get(key)) == i]
+
+
+def prepare(rows: List[Dict]) -> List[Dict]:
+    """The rows of one metrics file (as ``load_metrics`` reads them) as one run, in new
+    dicts: each row gets ``wall_s``, its wall time with every resumed job's clock
+    offset by where the job before it ended; a stop and a resume are added between two jobs
+    where the file has none (``"inferred": true``); an epoch (or step) logged twice keeps
+    its later record only."""
+    out: List[Dict] = []
+    offset = wall_end = 0.0
+    jobs = _jobs([r for r in rows if r.get("inferred") is not True])
+    for k, job in enumerate(jobs):
+        if k:
+            out.extend(_between(jobs[k - 1], job, wall_end))
+            offset = wall_end
+        for r in job:
+            row = dict(r)
+            t = _num(r.get("time_s"))
+            if t is not None:
+                row["wall_s"] = t + offset
+                wall_end = max(wall_end, row["wall_s"])
+            out.append(row)
+    return _latest_per(_latest_per(out, "epoch"), "step")
+
+
 def _x(row: Dict, axis: str) -> Optional[float]:
-    v = row.get("step") if axis == "step" else row.get("time_s")
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    if axis == "step":
+        return _num(row.get("step"))
+    wall = _num(row.get("wall_s"))
+    return wall if wall is not None else _num(row.get("time_s"))
 
 
 def _value(row: Dict, key: str) -> Optional[float]:
@@ -74,8 +194,15 @@ def _value(row: Dict, key: str) -> Optional[float]:
 
 
 def _series(rows: List[Dict], event: str, key: str, axis: str) -> Tuple[List[float], List[float]]:
+    """``key`` of the ``event`` rows against ``axis``; against wall time a resume breaks the
+    line (a NaN value at the resume), so no line crosses the time the run was away."""
     xs, ys = [], []
     for r in rows:
+        if r.get("event") == "resume" and axis == "time" and ys and ys[-1] == ys[-1]:
+            x = _x(r, axis)
+            if x is not None:
+                xs.append(x)
+                ys.append(math.nan)
         if r.get("event") != event:
             continue
         x, v = _x(r, axis), _value(r, key)
@@ -87,13 +214,18 @@ def _series(rows: List[Dict], event: str, key: str, axis: str) -> Tuple[List[flo
 
 
 def _smooth(ys: List[float], window: int) -> List[float]:
-    """Trailing moving average (the first points average what there is)."""
-    out, total = [], 0.0
+    """Trailing moving average (the first points average what there is); a NaN (a break in
+    the line) stays and the average starts over after it."""
+    out, total, start = [], 0.0, 0
     for i, y in enumerate(ys):
+        if y != y:
+            out.append(y)
+            total, start = 0.0, i + 1
+            continue
         total += y
-        if i >= window:
+        if i - window >= start:
             total -= ys[i - window]
-        out.append(total / min(i + 1, window))
+        out.append(total / min(i - start + 1, window))
     return out
 
 
@@ -137,21 +269,57 @@ def _decision_y(row: Dict, panel: str) -> Optional[float]:
     return _value(row, "lr") if panel == "lr" else None
 
 
-def present_panels(runs: Dict[str, List[Dict]]) -> List[Tuple[str, str, str, bool]]:
-    """The panels with data in at least one run, in ``PANELS`` order."""
+Panel = Tuple[str, str, str, bool]
+
+
+def metric_panel(runs: Dict[str, List[Dict]], name: str) -> Panel:
+    """The panel of ``--metric NAME``: from the epoch lines when one has it (a user metric
+    of ``job.log_epoch``), else from the step lines (their fields and monitors). Raises
+    ValueError naming the metrics the epoch lines have when no line has it."""
+    for event in ("epoch", "step"):
+        if any(_series(rows, event, name, "step")[0] for rows in runs.values()):
+            return (name, f"{name} (per {event})", event, False)
+    from .metrics import RESERVED_EPOCH_KEYS
+
+    found = sorted({k for rows in runs.values() for r in rows if r.get("event") == "epoch"
+                    for k in r if k not in RESERVED_EPOCH_KEYS and k != "wall_s"})
+    raise ValueError(f"--metric {name}: no epoch or step line has a number for it (the epoch "
+                     f"lines' own metrics: {', '.join(found) or 'none'})")
+
+
+def present_panels(runs: Dict[str, List[Dict]],
+                   metrics: Sequence[str] = ()) -> List[Panel]:
+    """The panels with data in at least one run, in ``PANELS`` order, each ``--metric``
+    after the test accuracy. Raises ValueError for a metric no run has."""
+    extra = [metric_panel(runs, name) for name in metrics]
     out = []
     for panel in PANELS:
         key, _, event, _ = panel
         if any(_series(rows, event, key, "step")[0] for rows in runs.values()):
             out.append(panel)
+        if key == "test_accuracy":
+            out.extend(p for p in extra if p[0] not in [q[0] for q in out])
     return out
 
 
+def _is_resize(row: Dict) -> bool:
+    """A resize line that is a resize: the shrink a recovery records after a worker's
+    death is drawn and counted as that failure."""
+    return row.get("event") == "resize" and not str(row.get("reason", "")).startswith(
+        "failure of")
+
+
 def summarize(label: str, rows: List[Dict]) -> str:
-    """One line about a run: epochs, steps, accuracy, batch and worker path, resizes."""
+    """One line about a run (``load_metrics``' rows): epochs, steps, accuracy, batch and
+    worker path, resizes, failures, stops and resumes, decisions."""
+    return _summary_line(label, prepare(rows))
+
+
+def _summary_line(label: str, rows: List[Dict]) -> str:
+    """``summarize`` of rows ``prepare`` made."""
     steps = [r for r in rows if r.get("event") == "step"]
     epochs = [r for r in rows if r.get("event") == "epoch"]
-    resizes = [r for r in rows if r.get("event") == "resize"]
+    resizes = [r for r in rows if _is_resize(r)]
     decisions = [r for r in rows if r.get("event") == "decision"]
     parts = [f"{label}: {len(epochs)} epoch(s), {len(steps)} step(s)"]
     acc = [_value(r, "test_accuracy") for r in epochs]
@@ -175,20 +343,30 @@ def summarize(label: str, rows: List[Dict]) -> str:
         parts.append("workers " + " -> ".join(str(s) for s in sizes))
     failed = sum(1 for r in resizes if r.get("ok") is False)
     parts.append(f"{len(resizes)} resize(s)" + (f" ({failed} NOT done)" if failed else ""))
+    failures = [r for r in rows if r.get("event") == "failure"]
+    if failures:
+        recovered = sum(1 for r in failures if r.get("recovered") is True)
+        parts.append(f"{len(failures)} failure(s) ({recovered} recovered)")
+    for event in ("stop", "resume"):
+        n = sum(1 for r in rows if r.get("event") == event)
+        if n:
+            parts.append(f"{n} {event}(s)")
     parts.append(f"{len(decisions)} decision(s)")
     return ", ".join(parts)
 
 
-def build_figure(runs: Dict[str, List[Dict]]):
-    """The figure for ``runs`` (label -> metrics rows), not yet saved. Raises ValueError
-    when no run has any series to draw."""
+def build_figure(runs: Dict[str, List[Dict]], metrics: Sequence[str] = ()):
+    """The figure for ``runs`` (label -> metrics rows, as ``load_metrics`` reads them),
+    with a panel for each of ``metrics`` (``--metric``), not yet saved. Raises ValueError
+    when no run has any series to draw, or one of ``metrics``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    panels = present_panels(runs)
+    runs = {label: prepare(rows) for label, rows in runs.items()}
+    panels = present_panels(runs, metrics)
     if not panels:
         raise ValueError("no step or epoch rows with values to plot (is this a metrics file "
                          "written by --metrics-file?)")
@@ -227,14 +405,14 @@ def build_figure(runs: Dict[str, List[Dict]]):
                 if key == "noise_scale" and xs:
                     bx, by = _series(rows, "step", "batch_size", axis)
                     ax.plot(bx, by, "--", color=colour, alpha=0.6, linewidth=1)
-                _draw_resizes(ax, rows, axis, key == "world_size", handles, Line2D)
+                _draw_events(ax, rows, axis, key == "world_size", handles, Line2D)
                 _draw_decisions(ax, rows, axis, key, colour, marker_of, handles, Line2D)
             if log_y:
                 _plain_log_ticks(ax, base=2 if key == "batch_size" else 10)
             if key == "world_size":
                 ax.yaxis.get_major_locator().set_params(integer=True)
                 lo, hi = ax.get_ylim()
-                ax.set_ylim(max(0.0, lo - 0.3), hi + 0.6)  # room for the labels above
+                ax.set_ylim(max(0.0, lo - 0.3), hi + 0.8)  # room for the labels above
             if key == "test_accuracy":
                 ax.set_ylim(top=min(1.02, max(ax.get_ylim()[1], 0.0) + 0.02))
             ax.set_title(title, fontsize=9)
@@ -246,7 +424,7 @@ def build_figure(runs: Dict[str, List[Dict]]):
                 shown = ax.get_legend_handles_labels()[0] + shown
             if shown:
                 ax.legend(handles=shown, fontsize=6.5, loc="best")
-    lines = [summarize(label, rows) for label, rows in runs.items()]
+    lines = [_summary_line(label, rows) for label, rows in runs.items()]
     fig.suptitle("\n".join(lines), fontsize=8.5, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.012 * (len(lines) + 1)))
     return fig
@@ -266,22 +444,61 @@ def _plain_log_ticks(ax, base: int) -> None:
     ax.yaxis.set_major_formatter(plain)
 
 
-def _draw_resizes(ax, rows: List[Dict], axis: str, labelled: bool, handles: Dict, Line2D) -> None:
-    for i, r in enumerate(r for r in rows if r.get("event") == "resize"):
-        x = _x(r, axis)
+def _event_gid(row: Dict) -> Optional[str]:
+    """Which of ``EVENT_STYLES`` a row is drawn as, or None for a row that is no event."""
+    event = row.get("event")
+    if event == "resize":
+        return None if not _is_resize(row) else (
+            "resize-ok" if row.get("ok") is not False else "resize-failed")
+    if event == "failure":
+        return "failure-recovered" if row.get("recovered") is True else "failure-ended"
+    return event if event in ("stop", "resume") else None
+
+
+def _event_label(row: Dict, gid: str) -> str:
+    """What the workers panel says about an event, e.g. ``2->3 failed``, ``rank 2 died:
+    3->2``, ``stop: SIGTERM``, ``resume (42 s away)``."""
+    if gid.startswith("resize"):
+        return f"{row.get('old_size', '?')}->{row.get('new_size', '?')}" + (
+            "" if gid == "resize-ok" else " failed")
+    if gid.startswith("failure"):
+        dead = row.get("dead") or [row.get("rank", "?")]
+        who = "rank " + ",".join(str(d) for d in dead) if dead != [-1] else "a peer"
+        what = "died" if row.get("cause") in ("dead", "notice", None) else str(row["cause"])
+        if gid == "failure-recovered":
+            return f"{who} {what}: {row.get('old_size', '?')}->{row.get('world_size', '?')}"
+        return f"{who} {what}: job ended"
+    if gid == "stop":
+        why = row.get("signal") or row.get("reason")
+        text = "stop" + (f": {why}" if why else "")
+        return text + (", NOT saved" if row.get("saved") is False else "")
+    away = _num(row.get("away_s"))
+    return "resume" + (f" ({away:.0f} s away)" if away is not None else "")
+
+
+def _draw_events(ax, rows: List[Dict], axis: str, labelled: bool, handles: Dict,
+                 Line2D) -> None:
+    """Every event of ``rows`` as a vertical line (gid: its ``EVENT_STYLES`` key), the
+    time a resumed job took to start as a grey band on the wall-time axis; labels and
+    legend entries only where ``labelled`` (the workers panel)."""
+    n = 0
+    for r in rows:
+        gid = _event_gid(r)
+        x = _x(r, axis) if gid is not None else None
         if x is None:
             continue
-        ok = r.get("ok") is not False
-        style = RESIZE_OK if ok else RESIZE_FAILED
+        style, name = EVENT_STYLES[gid]
         ax.axvline(x, linewidth=1.2 if labelled else 0.8, alpha=0.9 if labelled else 0.45,
-                   gid="resize-ok" if ok else "resize-failed", **style)
+                   gid=gid, **style)
+        started = _num(r.get("started_wall_s"))
+        if gid == "resume" and axis == "time" and started is not None and started > x:
+            ax.axvspan(x, started, color="0.5", alpha=0.15, linewidth=0, gid="gap:resume")
         if labelled:
-            text = f"{r.get('old_size', '?')}->{r.get('new_size', '?')}" + ("" if ok else " failed")
-            ax.annotate(text, xy=(x, 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(2, -2 - 8 * (i % 2)), textcoords="offset points", fontsize=6.5,
-                        color=style["color"], va="top", gid="resize-label")
-            name = "resize done" if ok else "resize NOT done"
+            ax.annotate(_event_label(r, gid), xy=(x, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(2, -2 - 8 * (n % 4)), textcoords="offset points",
+                        fontsize=6.5, color=style["color"], va="top", gid=f"label:{gid}")
             handles.setdefault(name, Line2D([], [], linewidth=1.2, label=name, **style))
+        n += 1
 
 
 def _draw_decisions(ax, rows: List[Dict], axis: str, panel: str, colour: str,
@@ -314,12 +531,12 @@ def _draw_decisions(ax, rows: List[Dict], axis: str, panel: str, colour: str,
                                         label=name))
 
 
-def plot_runs(runs: Dict[str, List[Dict]], out: str) -> None:
+def plot_runs(runs: Dict[str, List[Dict]], out: str, metrics: Sequence[str] = ()) -> None:
     """Draw ``runs`` (label -> metrics rows) and write the figure to ``out`` (PNG, SVG or
-    PDF by its extension)."""
+    PDF by its extension); ``metrics`` as for ``build_figure``."""
     import matplotlib.pyplot as plt
 
-    fig = build_figure(runs)
+    fig = build_figure(runs, metrics)
     try:
         fig.savefig(out, dpi=100)
     finally:
@@ -331,6 +548,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("metrics", nargs="+", help="JSON Lines metrics files (label=path allowed)")
     ap.add_argument("-o", "--output", required=True, help="image file to write (.png, .svg, .pdf)")
+    ap.add_argument("--metric", action="append", default=[], metavar="NAME",
+                    help="also plot NAME (repeatable): a metric the training passed to "
+                         "job.log_epoch, or any field of the epoch or step lines")
     args = ap.parse_args(argv)
     runs = {}
     for item in args.metrics:
@@ -342,7 +562,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
     try:
-        plot_runs(runs, args.output)
+        plot_runs(runs, args.output, args.metric)
     except ValueError as exc:
         ap.error(str(exc))
     for label, rows in runs.items():

@@ -1,20 +1,24 @@
 """hpcadapt.plot on metrics files written by real runs on MPI ranks: which panels the figure
-has, what they are labelled, how resizes (done and not done) and decisions are drawn."""
+has, what they are labelled, how resizes (done and not done) and decisions are drawn, and a
+run that grows, loses a worker, is preempted and resumes, drawn as one story."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from conftest import ROOT, run_mpi
+from test_failure import Run, _kill_a_joined_worker
 
 pytestmark = pytest.mark.slow
 
 matplotlib = pytest.importorskip("matplotlib")
 
 from hpcadapt.plot import (RESIZE_FAILED, RESIZE_OK, build_figure,  # noqa: E402
-                           load_metrics, summarize)
+                           load_metrics, prepare, summarize)
 
 COMMON = ["-m", "hpcadapt.train", "--model", "mlp", "--dataset", "digits", "--epochs", "2",
           "--no-progress", "--threads", "1"]
@@ -41,6 +45,29 @@ def gns_rows(tmp_path_factory):
                          "--gns-batch-cooldown", "5", "--lr-rule", "sqrt",
                          "--metrics-file", str(path)], timeout=600)
     return path, load_metrics(str(path))
+
+
+@pytest.fixture(scope="module")
+def story_rows(tmp_path_factory):
+    """2 ranks grow to 3; the joined worker is SIGKILLed and the job recovers on 2; SIGTERM
+    to rank 0 stops it with the state saved (exit 75) in the middle of an epoch; the same
+    command resumes it and finishes that epoch. One metrics file, two jobs."""
+    tmp = tmp_path_factory.mktemp("story")
+    run = Run(tmp, 2, ["--max-workers", "3", "--policy", "resize-schedule",
+                       "--resize-schedule-steps", "3:3", "--threads", "1"], name="story")
+    _kill_a_joined_worker(run, 3)
+    failure = run.wait_for("the recovery", lambda: [
+        r for r in run.rows() if r.get("event") == "failure" and r.get("recovered")])[0]
+    run.wait_for("a step after the recovery", lambda: [
+        s for s in run.steps() if s["step"] > failure["step"] + 1])
+    rank0 = [r for r in run.rows() if r.get("event") == "resize" and r["ok"]][-1]["pids"][0]
+    os.kill(rank0, signal.SIGTERM)
+    assert run.finish(timeout=300) == 75, run.stderr()[-4000:]
+    stopped = json.loads([l for l in run.stdout.splitlines() if l.startswith("{")][-1])
+    assert stopped["stopped"] == "SIGTERM" and run.checkpoint.exists()
+    # the job script's requeue: the same command, told to end with the epoch it was in
+    run_mpi(2, run.args + ["--epochs", str(stopped["epochs"] + 1)], timeout=600)
+    return run.metrics, load_metrics(str(run.metrics)), stopped
 
 
 def panels(fig):
@@ -169,3 +196,50 @@ def test_a_file_without_steps_is_refused_with_a_message(tmp_path):
                            str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2 and "bad.jsonl:2: not JSON" in proc.stderr
+
+
+def test_grow_failure_preemption_and_resume_are_one_story(story_rows, tmp_path):
+    path, rows, stopped = story_rows
+    # what the file holds: two jobs' clocks, the stopped epoch logged by both
+    times = [r["time_s"] for r in rows]
+    assert times != sorted(times)
+    cut = stopped["epochs"]
+    assert [r["epoch"] for r in rows if r["event"] == "epoch"].count(cut) == 2
+    story = prepare(rows)
+    epochs = [r for r in story if r["event"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == list(range(cut + 1))
+    assert epochs[-1]["step"] == max(r["step"] for r in rows if r["event"] == "epoch")
+    walls = [r["wall_s"] for r in story if "wall_s" in r]
+    assert walls == sorted(walls)
+    assert [r["event"] for r in story if r["event"] in ("stop", "resume")] == ["stop", "resume"]
+    fig = build_figure({"story": rows})
+    try:
+        p = panels(fig)
+        for ax in p["world_size"]:
+            for gid in ("resize-ok", "failure-recovered", "stop", "resume"):
+                assert len(with_gid(ax, gid)) == 1, gid
+            assert not with_gid(ax, "resize-failed") and not with_gid(ax, "failure-ended")
+            labels = set(texts(ax))
+            assert {"2->3", "rank 2 died: 3->2", "stop"} <= labels, labels
+            assert any(t.startswith("resume (") and t.endswith(" s away)") for t in labels)
+            assert {"resize done", "failure, recovered", "stop (signal, preemption)",
+                    "resume (band: time away)", "decision: resize-schedule"} <= set(legend(ax))
+        by_step, by_time = p["world_size"]
+        # the marks sit where the events happened: the stop at the stopped job's last step
+        stop_x = with_gid(by_step, "stop")[0].get_xdata()[0]
+        assert stop_x == stopped["steps"] == with_gid(by_step, "resume")[0].get_xdata()[0]
+        assert len(with_gid(by_time, "gap:resume")) == 1 and not with_gid(by_step, "gap:resume")
+        for ax in p["loss"] + p["test_accuracy"]:
+            xs = list(ax.lines[0].get_xdata())
+            assert xs == sorted(xs)                      # no zig-zag
+        by_time_loss = list(p["loss"][1].lines[0].get_ydata())
+        assert sum(1 for y in by_time_loss if y != y) == 1  # broken where the run was away
+        assert len(p["test_accuracy"][0].lines[0].get_xdata()) == cut + 1  # one point an epoch
+        header = fig._suptitle.get_text()
+        assert header.startswith(f"story: {cut + 1} epoch(s), ")
+        for part in ("workers 2 -> 3 -> 2", "1 resize(s), 1 failure(s) (1 recovered), "
+                     "1 stop(s), 1 resume(s)"):
+            assert part in header, header
+        fig.savefig(tmp_path / "story.png", dpi=100)
+    finally:
+        matplotlib.pyplot.close(fig)
