@@ -312,6 +312,7 @@ class Job:
         # call ran for a step given up, and is undone when the loop asks for the next batch.
         self._undo_at_next_batch: Optional[StepCommit] = None
         self._used_settings: Dict[str, Any] = {}  # the optimizer's, at the last update
+        self.user_metrics: Dict[str, float] = {}  # the last value of each (log_epoch)
         self._part = None  # this rank's share of the step in flight (sampler.StepSlice)
         self._round_nonfinite = 0  # a bounded-delay round's non-finite updates (control)
         self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
@@ -1937,16 +1938,14 @@ class Job:
         elapsed = time.perf_counter() - self._t_epoch
         losses = [x for x in self._epoch_losses if x == x]
         rec = EpochRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
-                          batch_size=st.hyper.batch_size, lr=st.hyper.lr,
+                          batch_size=st.hyper.batch_size, lr=self._last_lr(),
                           loss=float(np.mean(losses)) if losses else float("nan"),
                           samples_per_s=self._epoch_samples / elapsed if elapsed else 0.0,
                           test_accuracy=st.last_accuracy if test_accuracy is not None
                           else float("nan"), epoch_time_s=elapsed,
                           cluster_version=self.world.cluster_version)
         self.sink.write({**asdict(rec), **mine})
-        # the last value of each (set here only: this method and summary are all that
-        # read it, so it needs no slot in __init__)
-        self.user_metrics: Dict[str, float] = {**getattr(self, "user_metrics", {}), **mine}
+        self.user_metrics.update(mine)
         self._epoch_logged = True
         if self.world.rank == 0:
             log.info("epoch %d: loss %.4f, test accuracy %.4f, %.0f samples/s, batch %d on "
@@ -2066,15 +2065,20 @@ class Job:
         return True
 
     # -- the end ---------------------------------------------------------------------------------
+    def _last_lr(self) -> float:
+        """The optimizer's rate at its last update (its rate now before the first)."""
+        used = self._used_settings or optimizer_settings(self.optimizer.optimizer)
+        return used["lr"]
+
     def summary(self) -> Dict[str, Any]:
         st = self._require_setup()
         return _strict({"final_test_accuracy": st.last_accuracy, "steps": st.step,
                         "epochs": st.epoch, "world_size": self.world.size,
-                        "batch_size": st.hyper.batch_size, "lr": st.hyper.lr,
+                        "batch_size": st.hyper.batch_size, "lr": self._last_lr(),
                         "left": self.left, "cluster_version": self.world.cluster_version,
                         "resizes": self.resizes, "stopped": self.stopped,
                         "strategy": st.strategy.name, "model_digest": self.model_digest(),
-                        "user_metrics": dict(getattr(self, "user_metrics", {})),
+                        "user_metrics": dict(self.user_metrics),
                         **({"bounded_delay": self._async_totals}
                            if self._async_totals else {})})
 
