@@ -112,7 +112,12 @@ def cluster():
 
     c = TestCluster()
     started = False
-    if not c.running():
+    if c.running():
+        import warnings
+
+        warnings.warn(f"the Slurm tests use the test cluster already running in {c.root} "
+                      f"(started by another run; it is left up)")
+    else:
         if os.geteuid() != 0:
             try:
                 ensure_packages()

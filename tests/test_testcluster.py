@@ -255,3 +255,15 @@ def test_proc_stat_reads_the_start_time_past_a_command_name_with_spaces(tmp_path
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_default_folder_is_each_users_own(monkeypatch):
+    """Two users of one machine never share (or refuse each other's) default folder."""
+    import importlib
+
+    monkeypatch.delenv("HPCADAPT_TESTCLUSTER_DIR", raising=False)
+    fresh = importlib.reload(tc)
+    try:
+        assert fresh.DEFAULT_DIR.endswith(f"-{os.geteuid()}")
+    finally:
+        importlib.reload(tc)

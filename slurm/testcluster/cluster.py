@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
-DEFAULT_DIR = os.environ.get("HPCADAPT_TESTCLUSTER_DIR", "/tmp/hpcadapt-slurm")
+# One default folder per user: a second user's cluster never meets the first one's folder.
+DEFAULT_DIR = os.environ.get("HPCADAPT_TESTCLUSTER_DIR", f"/tmp/hpcadapt-slurm-{os.geteuid()}")
 CLUSTER_NAME = "hpcadapt"
 PACKAGES = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-client",
             "slurmdbd": "slurmdbd", "munged": "munge", "mariadbd": "mariadb-server"}
@@ -380,7 +381,9 @@ class TestCluster:
     def up(self) -> None:
         fresh = self.claim()  # before anything else: a folder that is not ours is refused
         if not fresh and self.running():
-            print(f"test cluster already up in {self.root}")
+            print(f"test cluster already up in {self.root}: using it as it is (it was started "
+                  f"earlier, by another run or session; `down --dir {self.root}` stops it, "
+                  f"--dir or HPCADAPT_TESTCLUSTER_DIR gives a cluster of your own)")
             return
         ensure_packages()
         if not fresh:
