@@ -10,6 +10,12 @@ start in a small float64 allreduce of their own on the host, under whatever stra
 plane: the monitors and the stop votes never depend on the gradient exchange (KungFu and
 the strategies that keep gradients local need that), at the cost of one tiny collective.
 
+The model's buffers (BatchNorm's running statistics and ``num_batches_tracked``, any
+registered buffer; ``buffers=``) are rank 0's on every rank after every step, as DDP's
+``broadcast_buffers`` keeps them: one flat byte buffer, packed after backward and broadcast
+in one nonblocking collective started with the control reduction and finished with it, so
+it adds no blocking point to the step (``BufferBroadcast``).
+
 The buckets live on the parameters' device and travel over that device's data plane
 (``hpcadapt.dataplane``: MPI for CPU tensors, NCCL or host-staged for CUDA tensors); a
 step's gradient norms reach the host only on monitored steps.
@@ -36,7 +42,7 @@ from .runtime import World, wait_request, world as current_world
 from .strategy import Strategy
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "broadcast_object_state", "GradientStats"]
+           "broadcast_object_state", "GradientStats", "BufferBroadcast"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,67 @@ class GradientStats:
         self.local_sqnorm_mean = local_sqnorm_mean
         self.global_sqnorm = global_sqnorm
         self.extras = extras
+
+
+class BufferBroadcast:
+    """Rank 0's buffers to every rank, as one flat byte buffer on the buffers' device in one
+    nonblocking broadcast over the data plane's communicator (any dtype: the bytes travel).
+
+    ``start`` packs the buffers (after forward has updated them) and starts the broadcast;
+    ``finish`` waits for it (bounded: PeerFailure for a dead or silent peer) and, off rank
+    0, copies rank 0's values into the buffers. Between the two nothing may change them."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], device: torch.device):
+        self.buffers = list(buffers)
+        self._device = device
+        self._layout: List[Tuple[int, int]] = []  # (offset, nbytes) in the flat buffer
+        offset = 0
+        for t in self.buffers:
+            offset = -(-offset // t.element_size()) * t.element_size()  # aligned views
+            nbytes = t.numel() * t.element_size()
+            self._layout.append((offset, nbytes))
+            offset += nbytes
+        self.nbytes = offset
+        self._flat: Optional[torch.Tensor] = None
+        self._views: List[torch.Tensor] = []
+        self._inflight: Optional[Tuple[Handle, torch.Tensor]] = None
+
+    def _allocate(self) -> None:
+        from .fusion import zeros
+
+        self._flat = zeros(self.nbytes, torch.uint8, self._device)
+        self._views = [self._flat[o:o + n].view(t.dtype).view(t.shape)
+                       for t, (o, n) in zip(self.buffers, self._layout)]
+
+    def start(self, comm, root: int = 0) -> None:
+        if not self.buffers:
+            return
+        if self._flat is None:
+            self._allocate()
+        with torch.no_grad():
+            torch._foreach_copy_(self._views, [b.detach() for b in self.buffers])
+        self._inflight = (comm.broadcast_async(self._flat, root), self._flat)
+
+    def finish(self, rank: int, root: int = 0) -> None:
+        if self._inflight is None:
+            return
+        handle, _ = self._inflight
+        handle.wait()  # bounded like every wait on a peer
+        self._inflight = None
+        if rank != root:
+            with torch.no_grad():
+                torch._foreach_copy_(self.buffers, self._views)
+
+    def abandon(self) -> None:
+        """A peer died: the broadcast in flight never completes and MPI may still name its
+        buffer, so that is kept (never reused, never freed); a fresh one comes next time."""
+        from .runtime import ABANDONED
+
+        if self._inflight is not None:
+            ABANDONED.append(self._inflight)
+            self._inflight = None
+            self._flat = None
+            self._views = []
 
 
 class _BucketState:
@@ -76,13 +143,16 @@ class DistributedOptimizer:
     for CUDA ones when CuPy with NCCL is installed, else host-staged), "mpi",
     "host-staged" or "nccl" (see ``hpcadapt.dataplane``). At construction, parameters and
     optimizer state are broadcast from rank 0 and the parameter layout is checked across
-    ranks (CommunicationError if it differs)."""
+    ranks (CommunicationError if it differs). ``buffers``: the model's buffers
+    (``model.buffers()``), made rank 0's on every rank at construction and after every
+    step (DDP's ``broadcast_buffers``); none by default."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], *,
                  world: Optional[World] = None, bucket_bytes: Optional[int] = None,
                  extra_slots: int = 0, track_grad_norms: bool = False,
-                 broadcast_initial_state: bool = True, data_plane: str = "auto"):
+                 broadcast_initial_state: bool = True, data_plane: str = "auto",
+                 buffers: Iterable[torch.Tensor] = ()):
         self.optimizer = optimizer
         self._world = world if world is not None else current_world()
         self._bucket_bytes = bucket_bytes if bucket_bytes is not None else config.bucket_bytes()
@@ -104,6 +174,7 @@ class DistributedOptimizer:
                     nccl_dtype(p.dtype)
                 except CommunicationError as exc:
                     raise ConfigurationError(f"parameter {name!r}: {exc}") from None
+        self._buffers = BufferBroadcast(list(buffers), self._plane.device)
         self._extra_slots = int(extra_slots)
         self.track_grad_norms = track_grad_norms
         self._weight = None  # this rank's share of the global batch; None = 1/size
@@ -129,9 +200,12 @@ class DistributedOptimizer:
         self._hooks = []
         self.last_stats: Optional[GradientStats] = None
         comm = self._world.comm
-        check_same_layout(comm, [(p.shape, p.dtype) for _, p in named], what="DistributedOptimizer")
+        check_same_layout(comm, [(t.shape, t.dtype) for t in
+                                 [p for _, p in named] + self._buffers.buffers],
+                          what="DistributedOptimizer")
         if broadcast_initial_state:
-            broadcast_parameters([p for _, p in named], root=0, world=self._world)
+            broadcast_parameters([p for _, p in named] + self._buffers.buffers, root=0,
+                                 world=self._world)
             broadcast_optimizer_state(self.optimizer, root=0, world=self._world)
         self._build()
         for _, p in named:
@@ -336,11 +410,16 @@ class DistributedOptimizer:
         values = self._staged_extras.numpy().copy()
         values[0] = local_sqnorm
         self._control_inflight = (self._control.allreduce_async(values, ReduceOp.SUM), values)
+        if self._world.size > 1:
+            # Backward is done here (forward updated the buffers): rank 0's buffers travel
+            # beside the control values and are waited for with them.
+            self._buffers.start(self._comm)
 
     def _finish_control(self) -> np.ndarray:
         handle, values = self._control_inflight
         handle.wait()  # bounded like every wait on a peer
         self._control_inflight = None
+        self._buffers.finish(self._world.rank)
         return values
 
     def _control_reduction(self) -> GradientStats:
@@ -388,6 +467,7 @@ class DistributedOptimizer:
         if self._control_inflight is not None:
             ABANDONED.append(self._control_inflight)
             self._control_inflight = None
+        self._buffers.abandon()
         self._release_pairs(abandon=True)
         self._pair_failure = None
         self._buckets = []
