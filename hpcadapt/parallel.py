@@ -14,7 +14,10 @@ The model's buffers (BatchNorm's running statistics and ``num_batches_tracked``,
 registered buffer; ``buffers=``) are rank 0's on every rank after every step, as DDP's
 ``broadcast_buffers`` keeps them: one flat byte buffer, packed after backward and broadcast
 in one nonblocking collective started with the control reduction and finished with it, so
-it adds no blocking point to the step (``BufferBroadcast``).
+it adds no blocking point to the step (``BufferBroadcast``). The same under model averaging
+(the control reduction is the one collective every strategy waits for each step): the
+running statistics are read only in evaluation, of rank 0's replica, whose statistics the
+broadcast never changes, and DDP broadcasts them whatever its communication hook.
 
 The buckets live on the parameters' device and travel over that device's data plane
 (``hpcadapt.dataplane``: MPI for CPU tensors, NCCL or host-staged for CUDA tensors); a
