@@ -82,3 +82,14 @@ def test_a_step_given_up_to_a_dead_peer_leaves_no_trace_in_the_buffers(tmp_path)
     ends = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert len(ends) == 2 and ends[0]["buffers"] == ends[1]["buffers"]
     assert all(e["num_batches_tracked"] == [e["steps"]] * 3 for e in ends), ends
+
+
+def test_under_local_sgd_the_replicas_are_one_after_an_average_buffers_included(tmp_path):
+    """Model averaging: the buffers are rank 0's after every step there too, so after the
+    average of step 8 (period 4) parameters and buffers are the same on both ranks."""
+    run_mpi(2, [str(SCRIPT), "--out", str(tmp_path), "--no-progress", "--strategy",
+                "local-sgd", "--local-sgd-period", "4", "--max-steps", "8"], timeout=300)
+    ends = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert [e["steps"] for e in ends] == [8, 8]
+    assert ends[0]["params"] == ends[1]["params"] and ends[0]["buffers"] == ends[1]["buffers"]
+    assert all(e["replicas_identical"] is True for e in ends)
