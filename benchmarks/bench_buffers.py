@@ -6,9 +6,11 @@ Blocks of ``--steps`` S-SGD steps alternate between a ``DistributedOptimizer`` g
 model's buffers and one without (the same model, rewrapped per block; rounds rotate the
 order so that drift on a shared machine hits both alike). Each block's median step time is
 the slowest rank's; the medians over ``--rounds`` blocks are printed as JSON with their
-ratio (and the median of each round's own ratio), and the broadcast's own cost (keep, pack, broadcast, wait, unpack: not overlapped
-with anything, the slowest rank's median over 200), an upper bound of what it adds to a
-step. Run: ``mpiexec -n 2 python benchmarks/bench_buffers.py``."""
+ratio (and the median of each round's own ratio), and the broadcast's own cost (keep, pack,
+broadcast, wait, unpack: not overlapped with anything, the slowest rank's median over 200),
+an upper bound of what it adds to a step. On a busy machine compare with the same run's
+spread: ratios of a few percent either way are noise there. Run:
+``mpiexec -n 2 python benchmarks/bench_buffers.py``."""
 
 import argparse
 import json

@@ -37,7 +37,7 @@ from . import runtime as _runtime  # noqa: F401 (first: it sets MPI's environmen
 from mpi4py import MPI  # noqa: E402
 
 from . import config, nodecast
-from .collectives import Handle, MPICommunicator, ReduceOp, check_same_layout
+from .collectives import Communicator, Handle, MPICommunicator, ReduceOp, check_same_layout
 from .dataplane import DataPlane
 from .errors import CommunicationError, ConfigurationError
 from .fusion import Bucket, plan_buckets
@@ -66,8 +66,9 @@ class GradientStats:
 
 
 class BufferBroadcast:
-    """Rank 0's buffers to every rank, as one flat byte buffer on the buffers' device in one
-    nonblocking broadcast over the data plane's communicator (any dtype: the bytes travel).
+    """Rank 0's buffers to every rank, as one flat byte buffer on the parameters' device in
+    one nonblocking broadcast over the data plane's communicator (any dtype: the bytes
+    travel).
 
     ``start`` packs the buffers (after forward has updated them) and starts the broadcast;
     ``finish`` waits for it (bounded: PeerFailure for a dead or silent peer) and, off rank
@@ -113,7 +114,7 @@ class BufferBroadcast:
         self._views = [self._flat[o:o + n].view(t.dtype).view(t.shape)
                        for t, (o, n) in zip(self.buffers, self._layout)]
 
-    def start(self, comm, root: int = 0) -> None:
+    def start(self, comm: Communicator, root: int = 0) -> None:
         if not self.buffers:
             return
         if self._flat is None:
