@@ -116,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     y.add_argument("--ranks-per-node", type=_ranks_per_node, default=None, metavar="K",
                    help="pretend nodes of K consecutive ranks (tests and benchmarks on one "
                         "host); default: the real nodes")
+    y.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True,
+                   help="make the model's buffers (BatchNorm's running statistics) rank 0's "
+                        "on every rank after every step, as DDP's broadcast_buffers (one "
+                        "small broadcast overlapped with the step's exchange); "
+                        "--no-broadcast-buffers leaves each replica its own")
     t = parser.add_argument_group("slow ranks on purpose (tests and benchmarks)")
     t.add_argument("--slow-rank", type=_non_negative_int, default=None, metavar="RANK",
                    help="the rank that --slow-compute and --slow-comm slow down")
@@ -228,8 +233,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write the run's summary (final accuracy, steps) here (rank 0)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--check-replicas", action="store_true",
-                   help="after every resize, compare a digest of the parameters across ranks "
-                        "and record it in the resize line (costs one pass over the model)")
+                   help="after every resize, compare a digest of the parameters and buffers "
+                        "across ranks and record it in the resize line (costs one pass over "
+                        "the model)")
     o.add_argument("--sample-log", default=None, metavar="DIR",
                    help="each process appends the sample indices it trains on to DIR (tests)")
     return parser

@@ -108,6 +108,7 @@ class JobOptions:
     summary_json: Optional[str] = None
     progress: bool = False
     check_replicas: bool = False
+    broadcast_buffers: bool = True
     sample_log: Optional[str] = None
 
     @classmethod
@@ -435,7 +436,8 @@ class Job:
         self.model, self.loader = model, loader
         self.optimizer = DistributedOptimizer(
             optimizer, model.named_parameters(), world=self.world, bucket_bytes=o.bucket_bytes,
-            extra_slots=self._extra_slots(), data_plane=self._data_plane(model))
+            extra_slots=self._extra_slots(), data_plane=self._data_plane(model),
+            buffers=model.buffers() if o.broadcast_buffers else ())
         group = optimizer.param_groups[0]
         hyper = HyperParams(batch_size=loader.batch_size, lr=float(group["lr"]),
                             momentum=float(_momentum_of(group)), base_lr=float(group["lr"]),
@@ -1809,17 +1811,21 @@ class Job:
         os._exit(0)
 
     def replicas_identical(self) -> bool:
-        """Whether every rank holds bit-identical parameters (one small allreduce)."""
+        """Whether every rank holds bit-identical parameters and buffers (one small
+        allreduce)."""
         digest = int.from_bytes(bytes.fromhex(self.model_digest())[:7], "little")
         pair = np.array([digest, -digest], dtype=np.int64)
         communicator(self.world).allreduce(pair, ReduceOp.MAX)
         return bool(pair[0] == -pair[1])
 
     def model_digest(self) -> str:
-        """A hash of this rank's parameters (hex): equal digests, identical replicas."""
+        """A hash of this rank's parameters and buffers (BatchNorm's running statistics;
+        hex): equal digests, identical replicas."""
         h = hashlib.blake2b(digest_size=16)
-        for p in self.model.parameters():
-            h.update(p.detach().contiguous().cpu().numpy().tobytes())
+        for t in list(self.model.parameters()) + list(self.model.buffers()):
+            # bytes, whatever the dtype (bfloat16 has no numpy twin)
+            raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+            h.update(raw.numpy().tobytes())
         return h.hexdigest()
 
     # -- monitoring --------------------------------------------------------------------------

@@ -25,15 +25,22 @@ def mlp(input_shape: Tuple[int, ...], num_classes: int, *, hidden: Sequence[int]
     return nn.Sequential(*layers)
 
 
-def cnn(input_shape: Tuple[int, ...], num_classes: int, *, width: int = 32, **_) -> nn.Module:
-    """A small CNN: 2-D for images (C, H, W), 1-D for sequences (C, L) such as MNIST-1D."""
+def cnn(input_shape: Tuple[int, ...], num_classes: int, *, width: int = 32,
+        batch_norm: bool = False, **_) -> nn.Module:
+    """A small CNN: 2-D for images (C, H, W), 1-D for sequences (C, L) such as MNIST-1D.
+    ``batch_norm``: a BatchNorm after each 2-D convolution (running statistics: buffers
+    that the replicas must keep consistent; the buffer tests and benchmark use it)."""
     if len(input_shape) == 2:
         return _cnn1d(input_shape, num_classes, width)
     c = input_shape[0]
+
+    def conv(cin: int, cout: int) -> list:
+        if not batch_norm:
+            return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU()]
+        return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+
     return nn.Sequential(
-        nn.Conv2d(c, width, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(width, width * 2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(width * 2, width * 2, 3, padding=1), nn.ReLU(),
+        *conv(c, width), *conv(width, width * 2), nn.MaxPool2d(2), *conv(width * 2, width * 2),
         nn.AdaptiveAvgPool2d(2), nn.Flatten(),
         nn.Linear(width * 2 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
     )

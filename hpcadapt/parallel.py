@@ -10,6 +10,15 @@ start in a small float64 allreduce of their own on the host, under whatever stra
 plane: the monitors and the stop votes never depend on the gradient exchange (KungFu and
 the strategies that keep gradients local need that), at the cost of one tiny collective.
 
+The model's buffers (BatchNorm's running statistics and ``num_batches_tracked``, any
+registered buffer; ``buffers=``) are rank 0's on every rank after every step, as DDP's
+``broadcast_buffers`` keeps them: one flat byte buffer, packed after backward and broadcast
+in one nonblocking collective started with the control reduction and finished with it, so
+it adds no blocking point to the step (``BufferBroadcast``). The same under model averaging
+(the control reduction is the one collective every strategy waits for each step): the
+running statistics are read only in evaluation, of rank 0's replica, whose statistics the
+broadcast never changes, and DDP broadcasts them whatever its communication hook.
+
 The buckets live on the parameters' device and travel over that device's data plane
 (``hpcadapt.dataplane``: MPI for CPU tensors, NCCL or host-staged for CUDA tensors); a
 step's gradient norms reach the host only on monitored steps.
@@ -28,7 +37,7 @@ from . import runtime as _runtime  # noqa: F401 (first: it sets MPI's environmen
 from mpi4py import MPI  # noqa: E402
 
 from . import config, nodecast
-from .collectives import Handle, MPICommunicator, ReduceOp, check_same_layout
+from .collectives import Communicator, Handle, MPICommunicator, ReduceOp, check_same_layout
 from .dataplane import DataPlane
 from .errors import CommunicationError, ConfigurationError
 from .fusion import Bucket, plan_buckets
@@ -36,7 +45,7 @@ from .runtime import World, wait_request, world as current_world
 from .strategy import Strategy
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "broadcast_object_state", "GradientStats"]
+           "broadcast_object_state", "GradientStats", "BufferBroadcast"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +63,90 @@ class GradientStats:
         self.local_sqnorm_mean = local_sqnorm_mean
         self.global_sqnorm = global_sqnorm
         self.extras = extras
+
+
+class BufferBroadcast:
+    """Rank 0's buffers to every rank, as one flat byte buffer on the parameters' device in
+    one nonblocking broadcast over the data plane's communicator (any dtype: the bytes
+    travel).
+
+    ``start`` packs the buffers (after forward has updated them) and starts the broadcast;
+    ``finish`` waits for it (bounded: PeerFailure for a dead or silent peer) and, off rank
+    0, copies rank 0's values into the buffers. Between the two nothing may change them.
+    ``keep`` (before forward) remembers the buffers as the step starts and ``abandon``
+    (the step given up to a dead peer) puts them back: the survivors' forward passes of
+    that step updated each its own, and the step is trained again."""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], device: torch.device):
+        self.buffers = list(buffers)
+        self._device = device
+        self._layout: List[Tuple[int, int]] = []  # (offset, nbytes) in the flat buffer
+        offset = 0
+        for t in self.buffers:
+            offset = -(-offset // t.element_size()) * t.element_size()  # aligned views
+            nbytes = t.numel() * t.element_size()
+            self._layout.append((offset, nbytes))
+            offset += nbytes
+        self.nbytes = offset
+        self._flat: Optional[torch.Tensor] = None
+        self._views: List[torch.Tensor] = []
+        self._inflight: Optional[Tuple[Handle, torch.Tensor]] = None
+        self._kept: Optional[List[torch.Tensor]] = None  # the buffers as the step started
+        self._step_open = False
+
+    def keep(self) -> None:
+        if not self.buffers:
+            return
+        with torch.no_grad():
+            if self._kept is None:
+                self._kept = [b.detach().clone() for b in self.buffers]
+            else:
+                torch._foreach_copy_(self._kept, [b.detach() for b in self.buffers])
+        self._step_open = True
+
+    def step_done(self) -> None:
+        self._step_open = False
+
+    def _allocate(self) -> None:
+        from .fusion import zeros
+
+        self._flat = zeros(self.nbytes, torch.uint8, self._device)
+        self._views = [self._flat[o:o + n].view(t.dtype).view(t.shape)
+                       for t, (o, n) in zip(self.buffers, self._layout)]
+
+    def start(self, comm: Communicator, root: int = 0) -> None:
+        if not self.buffers:
+            return
+        if self._flat is None:
+            self._allocate()
+        with torch.no_grad():
+            torch._foreach_copy_(self._views, [b.detach() for b in self.buffers])
+        self._inflight = (comm.broadcast_async(self._flat, root), self._flat)
+
+    def finish(self, rank: int, root: int = 0) -> None:
+        if self._inflight is None:
+            return
+        handle, _ = self._inflight
+        handle.wait()  # bounded like every wait on a peer
+        self._inflight = None
+        if rank != root:
+            with torch.no_grad():
+                torch._foreach_copy_(self.buffers, self._views)
+
+    def abandon(self) -> None:
+        """A peer died: the broadcast in flight never completes and MPI may still name its
+        buffer, so that is kept (never reused, never freed); a fresh one comes next time."""
+        from .runtime import ABANDONED
+
+        if self._inflight is not None:
+            ABANDONED.append(self._inflight)
+            self._inflight = None
+            self._flat = None
+            self._views = []
+        if self._step_open:
+            with torch.no_grad():
+                torch._foreach_copy_(self.buffers, self._kept)
+            self._step_open = False
 
 
 class _BucketState:
@@ -76,13 +169,16 @@ class DistributedOptimizer:
     for CUDA ones when CuPy with NCCL is installed, else host-staged), "mpi",
     "host-staged" or "nccl" (see ``hpcadapt.dataplane``). At construction, parameters and
     optimizer state are broadcast from rank 0 and the parameter layout is checked across
-    ranks (CommunicationError if it differs)."""
+    ranks (CommunicationError if it differs). ``buffers``: the model's buffers
+    (``model.buffers()``), made rank 0's on every rank at construction and after every
+    step (DDP's ``broadcast_buffers``); none by default."""
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], *,
                  world: Optional[World] = None, bucket_bytes: Optional[int] = None,
                  extra_slots: int = 0, track_grad_norms: bool = False,
-                 broadcast_initial_state: bool = True, data_plane: str = "auto"):
+                 broadcast_initial_state: bool = True, data_plane: str = "auto",
+                 buffers: Iterable[torch.Tensor] = ()):
         self.optimizer = optimizer
         self._world = world if world is not None else current_world()
         self._bucket_bytes = bucket_bytes if bucket_bytes is not None else config.bucket_bytes()
@@ -104,6 +200,7 @@ class DistributedOptimizer:
                     nccl_dtype(p.dtype)
                 except CommunicationError as exc:
                     raise ConfigurationError(f"parameter {name!r}: {exc}") from None
+        self._buffers = BufferBroadcast(list(buffers), self._plane.device)
         self._extra_slots = int(extra_slots)
         self.track_grad_norms = track_grad_norms
         self._weight = None  # this rank's share of the global batch; None = 1/size
@@ -129,9 +226,12 @@ class DistributedOptimizer:
         self._hooks = []
         self.last_stats: Optional[GradientStats] = None
         comm = self._world.comm
-        check_same_layout(comm, [(p.shape, p.dtype) for _, p in named], what="DistributedOptimizer")
+        check_same_layout(comm, [(t.shape, t.dtype) for t in
+                                 [p for _, p in named] + self._buffers.buffers],
+                          what="DistributedOptimizer")
         if broadcast_initial_state:
-            broadcast_parameters([p for _, p in named], root=0, world=self._world)
+            broadcast_parameters([p for _, p in named] + self._buffers.buffers, root=0,
+                                 world=self._world)
             broadcast_optimizer_state(self.optimizer, root=0, world=self._world)
         self._build()
         for _, p in named:
@@ -222,8 +322,11 @@ class DistributedOptimizer:
         """Before forward: what this step exchanges. Under model averaging the models'
         allreduce starts here (the parameters do not change until the update) and is
         finished in ``synchronize``; gradients are averaged under S-SGD and on monitored
-        steps (``track_grad_norms``), else each replica keeps its own."""
+        steps (``track_grad_norms``), else each replica keeps its own. The buffers are
+        remembered as they are, to go back to if a dead peer ends the step."""
         self._ensure_current()
+        if self._world.size > 1:
+            self._buffers.keep()
         self._sync_grads = self.strategy.averages_gradients or self.track_grad_norms \
             or self._world.size == 1
         alpha = self.strategy.model_alpha(step) if self._world.size > 1 else None
@@ -336,11 +439,16 @@ class DistributedOptimizer:
         values = self._staged_extras.numpy().copy()
         values[0] = local_sqnorm
         self._control_inflight = (self._control.allreduce_async(values, ReduceOp.SUM), values)
+        if self._world.size > 1:
+            # Backward is done here (forward updated the buffers): rank 0's buffers travel
+            # beside the control values and are waited for with them.
+            self._buffers.start(self._comm)
 
     def _finish_control(self) -> np.ndarray:
         handle, values = self._control_inflight
         handle.wait()  # bounded like every wait on a peer
         self._control_inflight = None
+        self._buffers.finish(self._world.rank)
         return values
 
     def _control_reduction(self) -> GradientStats:
@@ -388,6 +496,7 @@ class DistributedOptimizer:
         if self._control_inflight is not None:
             ABANDONED.append(self._control_inflight)
             self._control_inflight = None
+        self._buffers.abandon()
         self._release_pairs(abandon=True)
         self._pair_failure = None
         self._buckets = []
@@ -516,8 +625,7 @@ class DistributedOptimizer:
             self.last_stats = self._control_reduction()
             if self._model_avg is not None:
                 self._finish_model_average()
-            self._reset_step()
-            self._synchronized = True
+            self._end_step()
             return self.last_stats
         for state in self._buckets:
             if not state.launched:
@@ -539,9 +647,14 @@ class DistributedOptimizer:
         if self._model_avg is not None:
             self._finish_model_average()
         self._finish_pair_average()  # a monitored pair-avg step
-        self._reset_step()
-        self._synchronized = True
+        self._end_step()
         return self.last_stats
+
+    def _end_step(self) -> None:
+        """The step's exchange is complete: a later failure does not undo it."""
+        self._reset_step()
+        self._buffers.step_done()
+        self._synchronized = True
 
     def flat_gradients(self) -> List[torch.Tensor]:
         """The gradient buckets' payloads (views; valid until the next zero_grad)."""

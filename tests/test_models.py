@@ -46,3 +46,11 @@ def test_the_entry_point_knows_the_built_in_names_without_loading_torch():
     from hpcadapt.train import DATASET_NAMES, MODEL_NAMES
 
     assert sorted(DATASET_NAMES) == sorted(DATASETS) and sorted(MODEL_NAMES) == sorted(MODELS)
+
+
+def test_the_batch_norm_cnn_has_running_statistics_and_the_plain_one_none():
+    plain = build_model("cnn", (1, 8, 8), 10, seed=5)
+    bn = build_model("cnn", (1, 8, 8), 10, seed=5, batch_norm=True)
+    assert not list(plain.buffers())
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in bn.modules()) == 3
+    assert bn(torch.randn(4, 1, 8, 8)).shape == (4, 10)

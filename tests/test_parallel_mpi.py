@@ -139,3 +139,53 @@ def test_optimizer_state_broadcast(w):
     hpcadapt.broadcast_optimizer_state(base, world=w)
     bufs = torch.cat([base.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
     assert gathered_equal(w, bufs)
+
+
+def _train_batch_norm_cnn(w, strategy: str, wrap_buffers: bool = False, plane: str = "mpi",
+                          topology: str = "flat"):
+    """Three steps of the BatchNorm CNN, each rank on batches of its own (so its running
+    statistics are its own unless they are kept consistent): the model, and its buffers
+    after each step."""
+    from hpcadapt.strategy import Strategy
+
+    model = build_model("cnn", (1, 8, 8), 10, seed=0, width=4, batch_norm=True)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               model.named_parameters(), world=w,
+                               buffers=model.buffers() if wrap_buffers else (),
+                               data_plane=plane)
+    opt.set_strategy(Strategy(strategy))
+    opt.set_topology(topology)
+    gen = torch.Generator().manual_seed(w.rank)
+    after = []
+    for step in range(3):
+        opt.begin_step(step)
+        opt.zero_grad()
+        x = torch.randn(8, 1, 8, 8, generator=gen) * (1 + w.rank)
+        model(x).square().mean().backward()
+        opt.step()
+        after.append(flat_buffers(model))
+    opt.remove_hooks()
+    return model, after
+
+
+def flat_buffers(model):
+    return torch.cat([b.detach().double().reshape(-1) for b in model.buffers()])
+
+
+@pytest.mark.parametrize("strategy,plane,topology", [
+    ("ssgd", "mpi", "flat"), ("sma", "mpi", "flat"), ("ssgd", "host-staged", "flat"),
+    ("ssgd", "mpi", "ring")])
+def test_buffers_are_rank_0s_on_every_rank_after_every_step(w, strategy, plane, topology):
+    """Under S-SGD (the broadcast overlaps the gradient exchange) and under model averaging
+    (gradients stay local: it travels beside the control reduction alone), over the host
+    plane, the host-staged one (CPU tensors take its path with plain copies) and a
+    topology's communicator."""
+    kept, kept_after = _train_batch_norm_cnn(w, strategy, wrap_buffers=True, plane=plane,
+                                             topology=topology)
+    assert all([gathered_equal(w, b) for b in kept_after])
+    assert [int(b) for n, b in kept.named_buffers() if n.endswith("num_batches_tracked")] \
+        == [3, 3, 3]
+    _, own_after = _train_batch_norm_cnn(w, strategy, plane=plane, topology=topology)
+    assert not gathered_equal(w, own_after[-1]), "the test's ranks never differed"
+    if w.rank == 0:  # the root's statistics are its own batches', as without the broadcast
+        assert all(torch.equal(k, o) for k, o in zip(kept_after, own_after))
