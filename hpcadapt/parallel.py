@@ -73,9 +73,8 @@ class BufferBroadcast:
     ``start`` packs the buffers (after forward has updated them) and starts the broadcast;
     ``finish`` waits for it (bounded: PeerFailure for a dead or silent peer) and, off rank
     0, copies rank 0's values into the buffers. Between the two nothing may change them.
-    ``keep`` (before forward) remembers the buffers as the step starts and ``abandon``
-    (the step given up to a dead peer) puts them back: the survivors' forward passes of
-    that step updated each its own, and the step is trained again."""
+    (A step given up to a dead peer: the job puts the buffers back as the step began,
+    hpcadapt.rollback, before it is trained again.)"""
 
     def __init__(self, buffers: Sequence[torch.Tensor], device: torch.device):
         self.buffers = list(buffers)
@@ -91,21 +90,6 @@ class BufferBroadcast:
         self._flat: Optional[torch.Tensor] = None
         self._views: List[torch.Tensor] = []
         self._inflight: Optional[Tuple[Handle, torch.Tensor]] = None
-        self._kept: Optional[List[torch.Tensor]] = None  # the buffers as the step started
-        self._step_open = False
-
-    def keep(self) -> None:
-        if not self.buffers:
-            return
-        with torch.no_grad():
-            if self._kept is None:
-                self._kept = [b.detach().clone() for b in self.buffers]
-            else:
-                torch._foreach_copy_(self._kept, [b.detach() for b in self.buffers])
-        self._step_open = True
-
-    def step_done(self) -> None:
-        self._step_open = False
 
     def _allocate(self) -> None:
         from .fusion import zeros
@@ -143,10 +127,6 @@ class BufferBroadcast:
             self._inflight = None
             self._flat = None
             self._views = []
-        if self._step_open:
-            with torch.no_grad():
-                torch._foreach_copy_(self.buffers, self._kept)
-            self._step_open = False
 
 
 class _BucketState:
@@ -322,11 +302,8 @@ class DistributedOptimizer:
         """Before forward: what this step exchanges. Under model averaging the models'
         allreduce starts here (the parameters do not change until the update) and is
         finished in ``synchronize``; gradients are averaged under S-SGD and on monitored
-        steps (``track_grad_norms``), else each replica keeps its own. The buffers are
-        remembered as they are, to go back to if a dead peer ends the step."""
+        steps (``track_grad_norms``), else each replica keeps its own."""
         self._ensure_current()
-        if self._world.size > 1:
-            self._buffers.keep()
         self._sync_grads = self.strategy.averages_gradients or self.track_grad_norms \
             or self._world.size == 1
         alpha = self.strategy.model_alpha(step) if self._world.size > 1 else None
@@ -653,7 +630,6 @@ class DistributedOptimizer:
     def _end_step(self) -> None:
         """The step's exchange is complete: a later failure does not undo it."""
         self._reset_step()
-        self._buffers.step_done()
         self._synchronized = True
 
     def flat_gradients(self) -> List[torch.Tensor]:

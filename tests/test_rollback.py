@@ -87,8 +87,9 @@ def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_
         # a plain local variable is not the job's to undo: one more run of the body
         # for the step that was given up (on a rank that was inside that step)
         assert r["body_runs"] in (steps, steps + 1), r
-    # (cross-rank EMA and buffers: with the buffer broadcast)
+    assert got[0]["ema"] == got[1]["ema"]  # its buffers follow the model's, broadcast
     assert got[0]["params"] == got[1]["params"]
+    assert got[0]["buffers"] == got[1]["buffers"]
 
     # The same sizes without a failure: 3 workers, then 2 from the step given up.
     proc2, out2, metrics2 = _launch(tmp_path, "planned", [
