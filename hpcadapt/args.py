@@ -15,12 +15,13 @@ from hpcadapt.policies.lr_rules import RULE_PARAMS
 
 from .allocator import LAUNCHERS
 from .engine import RESIZE_BATCH
+from .lifecycle import is_first_rank
 from .monitor import MONITORS
 from .preemption import EXIT_REQUEUE, parse_signal
 from .strategy import STRATEGIES, Strategy
 from .topology import Topology, parse_ranks_per_node
 
-__all__ = ["add_arguments", "warn_unused_policy_flags", "ALLOCATORS", "RESIZE_BATCH",
+__all__ = ["add_arguments", "one_line_errors", "warn_unused_policy_flags", "ALLOCATORS", "RESIZE_BATCH",
            "positive_int", "positive_float"]
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,23 @@ def _signal_list(text: str) -> List[str]:
     return names
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """A usage error prints what was wrong and where the flags are listed, from the first
+    rank of the launch only (every rank parses the same command line: N copies of the whole
+    usage text buried the one line that mattered), and exits with code 2 on every rank."""
+    def error(message: str):
+        text = (f"{parser.prog}: error: {message}\n"
+                f"{parser.prog}: run `{parser.prog} --help` for the flags\n")
+        parser.exit(2, text if is_first_rank() else None)
+
+    parser.error = error  # type: ignore[method-assign]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add hpcadapt's runtime flags to ``parser`` (returned, for chaining). Pass the parsed
-    namespace to ``hpcadapt.Job(args)``."""
+    namespace to ``hpcadapt.Job(args)``. A bad flag then ends the process with exit code 2
+    and two lines from the launch's first rank only (see ``one_line_errors``)."""
+    one_line_errors(parser)
     add_policy_arguments(parser)
     m = parser.add_argument_group("monitoring (computed inside each step)")
     m.add_argument("--monitor", action="append", default=[], choices=list(MONITORS),

@@ -26,7 +26,6 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 import zlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import agent, config
+from . import agent, config, lifecycle
 from . import runtime as world_mod
 from .collectives import ReduceOp, communicator
 from .engine import PolicyEngine
@@ -162,55 +161,6 @@ def joiner_argv() -> List[str]:
     return [os.path.abspath(sys.argv[0])] + sys.argv[1:]
 
 
-_active_job: Optional["Job"] = None   # the job the exception hook saves on a peer's failure
-
-
-def _install_abort_on_exception() -> None:
-    """An uncaught exception on any rank ends the whole job at once, instead of leaving the
-    other ranks waiting in a collective forever: hpcadapt's own errors as one line (exit 2),
-    anything else with that rank's traceback (exit 1). An error every rank raised together
-    (rank 0's verdict, shared) ends the job cleanly, printed once; any other aborts all
-    ranks."""
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        if issubclass(kind, (KeyboardInterrupt, SystemExit)):
-            return previous(kind, value, tb)
-        if isinstance(value, world_mod.PeerFailure) and _active_job is not None:
-            # A peer died during the user's own collective work: saved, exit 75.
-            _active_job._fail(value)
-        rank, size, comm = "?", 1, None
-        if world_mod.is_initialized():
-            w = world_mod.world()
-            rank, size, comm = w.rank, w.size, w._comm
-        ours = isinstance(value, HpcAdaptError)
-        together = ours and value.all_ranks
-        if ours:
-            if not together or rank in (0, "?"):
-                sys.stderr.write(f"[rank {rank}] hpcadapt: {value}\n")
-        else:
-            text = "".join(traceback.format_exception(kind, value, tb))
-            sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-        if not together:
-            sys.stderr.write(f"[rank {rank}] hpcadapt: {'error' if ours else 'uncaught exception'}"
-                             f" on rank {rank}; aborting all {size} ranks\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        code = 2 if ours else 1
-        from mpi4py import MPI
-
-        try:
-            if together:
-                world_mod.shutdown()
-                MPI.Finalize()
-            else:
-                (comm if comm is not None else MPI.COMM_WORLD).Abort(code)
-        finally:
-            os._exit(code)
-
-    sys.excepthook = hook
-
-
 class Job:
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
@@ -225,7 +175,7 @@ class Job:
         from .preemption import block_stop_signals
 
         block_stop_signals()  # until the handlers below are in place (before MPI starts)
-        _install_abort_on_exception()
+        lifecycle.install_abort_on_exception()
         self.options = JobOptions.from_args(args, **options) if args is not None \
             else JobOptions(**options)
         o = self.options
@@ -248,8 +198,9 @@ class Job:
         else:
             unblock_stop_signals()
         self.world = world_mod.init()
-        global _active_job
-        _active_job = self
+        # A peer that dies during the user's own collective work: saved, exit 75.
+        lifecycle.set_failure_handler(
+            lambda exc: self._fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
         setup_logging(lambda: self.world.rank)
         most = max(self.world.size, o.max_workers or 0, o.initial_workers or 0)
         if o.slow_rank is not None and o.slow_rank >= most and self.world.rank == 0:

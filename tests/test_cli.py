@@ -97,3 +97,20 @@ def test_data_plane_nccl_for_a_model_on_the_cpu_is_refused_in_one_line():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "'nccl' carries CUDA tensors" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("program", [["-m", "hpcadapt.train"],
+                                     [str(ROOT / "tests" / "scripts" / "fail_on_rank1.py")]])
+def test_an_unknown_flag_on_two_ranks_is_named_once_with_where_the_flags_are(program):
+    """Every rank parses the same command line; only the first says what is wrong (not the
+    whole usage text N times), on hpcadapt's CLI and on a user's parser that
+    hpcadapt.add_arguments extended; every rank exits with 2."""
+    from conftest import mpiexec
+
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable] + program + ["--no-such-flag"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) <= 6, lines
+    assert sum("--no-such-flag" in line for line in lines) == 1, lines
+    assert any("--help" in line for line in lines), lines

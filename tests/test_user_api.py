@@ -154,11 +154,40 @@ def test_usr1_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path)
     assert samples(tmp_path / "s") == samples(tmp_path / "ref")
 
 
-def test_an_exception_on_rank_1_ends_the_job_with_its_traceback():
-    proc = run_mpi(2, [str(SCRIPTS / "fail_on_rank1.py")], check=False, timeout=300)
+@pytest.mark.parametrize("loader_workers", [0, 2])
+def test_an_exception_on_rank_1_ends_the_job_with_its_traceback(loader_workers):
+    """With loader worker processes too: the failing rank ends them (they held the
+    launcher's output pipes open until torch's 5-s watchdog noticed their parent gone)."""
+    proc = run_mpi(2, [str(SCRIPTS / "fail_on_rank1.py"), "--loader-workers",
+                       str(loader_workers)], check=False, timeout=300)
     assert proc.returncode != 0
     assert "[rank 1] RuntimeError: user code failed on purpose at step 3" in proc.stderr
     assert "[rank 1] Traceback" in proc.stderr and "aborting all 2 ranks" in proc.stderr
+
+
+def test_an_exception_on_rank_1_ends_a_job_of_the_low_level_api():
+    """hpcadapt.init() and the collectives only (no Job): rank 1's exception ends rank 0,
+    which waits in the next allreduce, too (it hung before: the deadline is the timeout)."""
+    proc = run_mpi(2, [str(SCRIPTS / "fail_low_level.py")], check=False, timeout=60)
+    assert proc.returncode != 0
+    assert "[rank 1] RuntimeError: low-level user code failed on purpose on rank 1" in proc.stderr
+    assert "[rank 1] Traceback" in proc.stderr
+    assert "[rank 1] hpcadapt: uncaught exception on rank 1; aborting all 2 ranks" in proc.stderr
+
+
+def test_an_exception_before_the_world_names_the_mpi_rank(tmp_path):
+    """Before hpcadapt's world exists, the hook names MPI's own rank and size, not "?"."""
+    script = tmp_path / "early.py"
+    script.write_text("from hpcadapt.lifecycle import install_abort_on_exception\n"
+                      "install_abort_on_exception()\n"
+                      "from mpi4py import MPI\n"
+                      "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+                      "    raise ValueError('early failure')\n"
+                      "MPI.COMM_WORLD.barrier()\n")
+    proc = run_mpi(2, [str(script)], check=False, timeout=60)
+    assert proc.returncode != 0
+    assert "[rank 1] ValueError: early failure" in proc.stderr, proc.stderr[-2000:]
+    assert "uncaught exception on rank 1; aborting all 2 ranks" in proc.stderr
 
 
 @pytest.mark.parametrize("case,flags,message", [
