@@ -21,12 +21,16 @@ from .preemption import EXIT_REQUEUE, parse_signal
 from .strategy import STRATEGIES, Strategy
 from .topology import Topology, parse_ranks_per_node
 
-__all__ = ["add_arguments", "one_line_errors", "warn_unused_policy_flags", "ALLOCATORS", "RESIZE_BATCH",
+__all__ = ["add_arguments", "one_line_errors", "warn_unused_policy_flags", "refuse_inconsistent",
+           "RESIZING_POLICIES", "ALLOCATORS", "RESIZE_BATCH",
            "positive_int", "positive_float"]
 
 log = logging.getLogger(__name__)
 
 ALLOCATORS = ["auto", "local", "slurm"]
+
+# Policies whose decisions change the number of workers: they need an allocator.
+RESIZING_POLICIES = ("resize-schedule", "autoscale", "straggler")
 
 positive_int = argparse_type(params.positive_int)
 positive_float = argparse_type(params.positive_float)
@@ -276,3 +280,25 @@ def warn_unused_policy_flags(args: argparse.Namespace) -> List[str]:
             if p.name != "lr-rule" and getattr(args, p.name.replace("-", "_"), p.default) != p.default:
                 messages.append(f"--{p.name} given with --lr-rule none: ignored")
     return messages
+
+
+def refuse_inconsistent(options) -> str:
+    """Why flags that each parse are unusable together (one line), or "": checked at start,
+    on every rank alike, instead of being ignored or failing mid-run. ``options``: a
+    ``JobOptions`` (or anything with its fields)."""
+    most = options.max_workers
+    if most is None:
+        if options.min_workers > 1:
+            return (f"--min-workers {options.min_workers} needs --max-workers (without it the "
+                    f"world keeps its size)")
+        for policy in options.policies:
+            if getattr(policy, "name", "") in RESIZING_POLICIES:
+                return (f"--policy {policy.name} resizes the job and needs --max-workers (the "
+                        f"most workers it may grow to)")
+    for policy in options.policies:
+        if getattr(policy, "name", "") == "resize-schedule":
+            for step, size in policy.steps:
+                if options.max_steps is not None and step > options.max_steps:
+                    return (f"--resize-schedule-steps {step}:{size}: step {step} is beyond "
+                            f"--max-steps {options.max_steps} (the run ends first)")
+    return ""

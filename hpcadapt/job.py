@@ -179,6 +179,11 @@ class Job:
         self.options = JobOptions.from_args(args, **options) if args is not None \
             else JobOptions(**options)
         o = self.options
+        from .args import refuse_inconsistent
+
+        why = refuse_inconsistent(o)
+        if why:  # the same flags on every rank: said once, by rank 0
+            raise on_every_rank(ConfigurationError(why))
         self._join_dir = config.take_join_dir()
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period,
