@@ -443,14 +443,17 @@ class Job:
 
     def _check_output_folders(self) -> None:
         """Refuse at start (not at the first write, nor when the stop signal comes) an output
-        path whose folder cannot be written: rank 0 probes, every rank hears its verdict."""
+        path that cannot be written, itself or its folder: rank 0 probes, every rank hears
+        its verdict."""
         o = self.options
         error = ""
         if self.world.rank == 0:
             for flag, path in (("--checkpoint", o.checkpoint), ("--metrics-file", o.metrics_file),
                                ("--summary-json", o.summary_json)):
                 if path and not error:
-                    error = _unwritable(flag, path)
+                    error = _unwritable(flag, path, replaced=flag == "--checkpoint")
+            if o.sample_log and not error:
+                error = _unwritable("--sample-log", o.sample_log, folder_path=True)
         self._agree(error)
 
     @property
@@ -1915,11 +1918,31 @@ class Job:
         return self.state
 
 
-def _unwritable(flag: str, path: str) -> str:
-    """Why ``path`` cannot be written (a one-line message naming ``flag``), or ""."""
-    if os.path.isdir(path):
+def _unwritable(flag: str, path: str, *, folder_path: bool = False,
+                replaced: bool = False) -> str:
+    """Why ``path`` cannot be written (a one-line message naming ``flag``), or "". The file
+    itself when it exists (opened for writing without following a link, creating or
+    truncating nothing: a read-only file used to pass and fail at the job's end), then its
+    folder (a probe file). ``folder_path``: ``path`` is a folder the job writes into;
+    ``replaced``: the file is only ever renamed over (a checkpoint), so only its folder
+    counts."""
+    if os.path.islink(path) and not replaced:
+        return (f"{flag} {path}: is a symbolic link, which hpcadapt does not write through; "
+                f"pass the real path")
+    if os.path.isdir(path) and not folder_path:
         return f"{flag} {path}: is a folder; pass a file path"
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(path) and folder_path and not os.path.isdir(path):
+        return f"{flag} {path}: is not a folder; pass a folder path"
+    if os.path.lexists(path) and not (folder_path or replaced):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC))
+        except OSError as exc:
+            return (f"{flag} {path}: the file cannot be written ({exc.strerror}); make it "
+                    f"writable or pass another path")
+    folder = os.path.abspath(path) if folder_path else os.path.dirname(os.path.abspath(path))
+    while folder_path and not os.path.exists(folder):
+        folder = os.path.dirname(folder)  # the folder that its missing ones are made in
     try:
         fd, probe = tempfile.mkstemp(prefix=".hpcadapt-probe-", dir=folder)
         os.close(fd)
