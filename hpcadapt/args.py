@@ -232,8 +232,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "boundary): what survives a crash that saves nothing (a node lost, "
                         "an MPI library crash)")
     c.add_argument("--stop-signals", type=_signal_list, default=["SIGUSR1", "SIGTERM"],
-                   help="signals that stop training at the next step boundary (with "
-                        "--checkpoint); Slurm: #SBATCH --signal=USR1@120")
+                   help="signals that stop training at the next step boundary (saving to "
+                        "--checkpoint when given; without it nothing is saved, exit 1); "
+                        "Ctrl-C (SIGINT) always does; Slurm: #SBATCH --signal=USR1@120")
     c.add_argument("--stop-file", default=None, metavar="PATH",
                    help="end training cleanly (exit 0, as if finished) at the step boundary "
                         "after PATH appears")

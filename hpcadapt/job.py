@@ -45,7 +45,7 @@ from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecuti
                       estimate_from_replicas)
 from .parallel import DistributedOptimizer, GradientStats
 from .plan import Plan
-from .preemption import EXIT_REQUEUE, StopSignals, parse_signal, unblock_stop_signals
+from .preemption import EXIT_REQUEUE, StopSignals
 from .state import HyperParams, TrainingState, UserState
 from .strategy import Strategy
 
@@ -167,7 +167,7 @@ class Job:
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
     or keyword options of ``JobOptions`` (``policies=[GNSBatchSize(...)]``, ...). Creating
     the job joins the MPI world, sets up rank-prefixed logging, the stop-signal handlers
-    (with a checkpoint) and the abort-on-exception hook. A worker started to join a running
+    and the abort-on-exception hook. A worker started to join a running
     job (``HPCADAPT_JOIN_DIR`` set) joins it in ``setup``."""
 
     def __init__(self, args: Optional[argparse.Namespace] = None, **options: Any):
@@ -197,11 +197,10 @@ class Job:
                 raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
                                          f"(2 makes the rank take twice as long)")
         self.joining = self._join_dir is not None
-        self.stop_signals: Optional[StopSignals] = None
-        if o.checkpoint:
-            self.stop_signals = StopSignals([parse_signal(s) for s in o.stop_signals]).install()
-        else:
-            unblock_stop_signals()
+        # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
+        # next step boundary, saying nothing was saved, instead of being swallowed.
+        self.stop_signals: Optional[StopSignals] = StopSignals.named(
+            o.stop_signals, saves=bool(o.checkpoint)).install()
         self.world = world_mod.init()
         # A peer that dies during the user's own collective work: saved, exit 75.
         lifecycle.set_failure_handler(
