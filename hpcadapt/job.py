@@ -176,6 +176,7 @@ class Job:
 
         block_stop_signals()  # until the handlers below are in place (before MPI starts)
         lifecycle.install_abort_on_exception()
+        setup_logging()  # before the flags are read: their warnings, once, rank-prefixed
         self.options = JobOptions.from_args(args, **options) if args is not None \
             else JobOptions(**options)
         o = self.options

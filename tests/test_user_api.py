@@ -357,3 +357,21 @@ def test_own_script_trains_under_the_asynchronous_strategies(tmp_path, strategy)
         assert max(int(d) for d in s["bounded_delay"]["delays_applied"]) <= 1
     else:
         assert not rounds and "bounded_delay" not in s
+
+
+def test_a_warning_about_the_flags_is_printed_once_with_the_rank():
+    """Every rank reads the same flags; before the world exists only the first says what it
+    found (it was printed by each rank, with no rank prefix)."""
+    proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", "ok", "--gns-batch-max", "64"],
+                   timeout=300)
+    lines = [l for l in proc.stderr.splitlines() if "--gns-batch-max given without" in l]
+    assert len(lines) == 1 and lines[0].startswith("[rank 0] WARNING "), proc.stderr[-3000:]
+
+
+def test_python_warnings_in_a_job_name_their_rank_once():
+    proc = run_mpi(2, [str(SCRIPTS / "warn_in_job.py")], timeout=120)
+    for rank in (0, 1):
+        lines = [l for l in proc.stderr.splitlines()
+                 if f"a warning from the user's code on rank {rank}" in l and "UserWarning" in l]
+        assert len(lines) == 1 and lines[0].startswith(f"[rank {rank}] WARNING py.warnings"), \
+            proc.stderr[-3000:]
