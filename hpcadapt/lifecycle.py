@@ -49,7 +49,7 @@ def set_failure_handler(handler: Optional[Callable[[BaseException], None]]) -> N
     _failure_handler = handler
 
 
-def _where() -> Tuple[object, object, object]:
+def _where() -> Tuple[int, int, object]:
     """(rank, size, communicator to abort or None): hpcadapt's world when it is up, else
     MPI's world when MPI is, else what the launcher says."""
     runtime = sys.modules.get("hpcadapt.runtime")
@@ -59,8 +59,8 @@ def _where() -> Tuple[object, object, object]:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size(), mpi.COMM_WORLD
-    rank, size = launch_rank(), _first_int(_SIZE_VARIABLES)
-    return ("?" if rank is None else rank), (size or 1), None
+    # No launcher variable: a single process, rank 0 of 1.
+    return (launch_rank() or 0), (_first_int(_SIZE_VARIABLES) or 1), None
 
 
 def _end_children() -> None:
@@ -78,14 +78,15 @@ def _end_children() -> None:
 
 def _report(kind, value, tb, rank, size, ours: bool, together: bool) -> None:
     if ours:
-        if not together or rank in (0, "?"):
+        if not together or rank == 0:
             sys.stderr.write(f"[rank {rank}] hpcadapt: {value}\n")
     else:
         text = "".join(traceback.format_exception(kind, value, tb))
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
     if not together:
+        ending = f"aborting all {size} ranks" if size > 1 else "ending the job"
         sys.stderr.write(f"[rank {rank}] hpcadapt: {'error' if ours else 'uncaught exception'}"
-                         f" on rank {rank}; aborting all {size} ranks\n")
+                         f" on rank {rank}; {ending}\n")
     sys.stderr.flush()
     sys.stdout.flush()
 
