@@ -15,17 +15,22 @@ from hpcadapt.policies.lr_rules import RULE_PARAMS
 
 from .allocator import LAUNCHERS
 from .engine import RESIZE_BATCH
+from .lifecycle import is_first_rank
 from .monitor import MONITORS
 from .preemption import EXIT_REQUEUE, parse_signal
 from .strategy import STRATEGIES, Strategy
 from .topology import Topology, parse_ranks_per_node
 
-__all__ = ["add_arguments", "warn_unused_policy_flags", "ALLOCATORS", "RESIZE_BATCH",
+__all__ = ["add_arguments", "one_line_errors", "warn_unused_policy_flags", "refuse_inconsistent",
+           "RESIZING_POLICIES", "ALLOCATORS", "RESIZE_BATCH",
            "positive_int", "positive_float"]
 
 log = logging.getLogger(__name__)
 
 ALLOCATORS = ["auto", "local", "slurm"]
+
+# Policies whose decisions change the number of workers: they need an allocator.
+RESIZING_POLICIES = ("resize-schedule", "autoscale", "straggler")
 
 positive_int = argparse_type(params.positive_int)
 positive_float = argparse_type(params.positive_float)
@@ -73,9 +78,23 @@ def _signal_list(text: str) -> List[str]:
     return names
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """A usage error prints what was wrong and where the flags are listed, from the first
+    rank of the launch only (every rank parses the same command line: N copies of the whole
+    usage text buried the one line that mattered), and exits with code 2 on every rank."""
+    def error(message: str):
+        text = (f"{parser.prog}: error: {message}\n"
+                f"{parser.prog}: run `{parser.prog} --help` for the flags\n")
+        parser.exit(2, text if is_first_rank() else None)
+
+    parser.error = error  # type: ignore[method-assign]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add hpcadapt's runtime flags to ``parser`` (returned, for chaining). Pass the parsed
-    namespace to ``hpcadapt.Job(args)``."""
+    namespace to ``hpcadapt.Job(args)``. A bad flag then ends the process with exit code 2
+    and two lines from the launch's first rank only (see ``one_line_errors``)."""
+    one_line_errors(parser)
     add_policy_arguments(parser)
     m = parser.add_argument_group("monitoring (computed inside each step)")
     m.add_argument("--monitor", action="append", default=[], choices=list(MONITORS),
@@ -222,8 +241,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "boundary): what survives a crash that saves nothing (a node lost, "
                         "an MPI library crash)")
     c.add_argument("--stop-signals", type=_signal_list, default=["SIGUSR1", "SIGTERM"],
-                   help="signals that stop training at the next step boundary (with "
-                        "--checkpoint); Slurm: #SBATCH --signal=USR1@120")
+                   help="signals that stop training at the next step boundary (saving to "
+                        "--checkpoint when given; without it nothing is saved, exit 1); "
+                        "Ctrl-C (SIGINT) always does; Slurm: #SBATCH --signal=USR1@120")
     c.add_argument("--stop-file", default=None, metavar="PATH",
                    help="end training cleanly (exit 0, as if finished) at the step boundary "
                         "after PATH appears")
@@ -271,3 +291,25 @@ def warn_unused_policy_flags(args: argparse.Namespace) -> List[str]:
             if p.name != "lr-rule" and getattr(args, p.name.replace("-", "_"), p.default) != p.default:
                 messages.append(f"--{p.name} given with --lr-rule none: ignored")
     return messages
+
+
+def refuse_inconsistent(options) -> str:
+    """Why flags that each parse are unusable together (one line), or "": checked at start,
+    on every rank alike, instead of being ignored or failing mid-run. ``options``: a
+    ``JobOptions`` (or anything with its fields)."""
+    most = options.max_workers
+    if most is None:
+        if options.min_workers > 1:
+            return (f"--min-workers {options.min_workers} needs --max-workers (without it the "
+                    f"world keeps its size)")
+        for policy in options.policies:
+            if getattr(policy, "name", "") in RESIZING_POLICIES:
+                return (f"--policy {policy.name} resizes the job and needs --max-workers (the "
+                        f"most workers it may grow to)")
+    for policy in options.policies:
+        if getattr(policy, "name", "") == "resize-schedule":
+            for step, size in policy.steps:
+                if options.max_steps is not None and step > options.max_steps:
+                    return (f"--resize-schedule-steps {step}:{size}: step {step} is beyond "
+                            f"--max-steps {options.max_steps} (the run ends first)")
+    return ""

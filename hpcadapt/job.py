@@ -26,7 +26,6 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 import zlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import agent, config
+from . import agent, config, lifecycle
 from . import runtime as world_mod
 from .collectives import ReduceOp, communicator
 from .engine import PolicyEngine
@@ -46,8 +45,8 @@ from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecuti
                       estimate_from_replicas)
 from .parallel import DistributedOptimizer, GradientStats
 from .plan import Plan
+from .preemption import EXIT_REQUEUE, StopSignals
 from .rollback import StepCommit
-from .preemption import EXIT_REQUEUE, StopSignals, parse_signal, unblock_stop_signals
 from .state import HyperParams, TrainingState, UserState
 from .strategy import Strategy
 
@@ -165,62 +164,13 @@ def joiner_argv() -> List[str]:
     return [os.path.abspath(sys.argv[0])] + sys.argv[1:]
 
 
-_active_job: Optional["Job"] = None   # the job the exception hook saves on a peer's failure
-
-
-def _install_abort_on_exception() -> None:
-    """An uncaught exception on any rank ends the whole job at once, instead of leaving the
-    other ranks waiting in a collective forever: hpcadapt's own errors as one line (exit 2),
-    anything else with that rank's traceback (exit 1). An error every rank raised together
-    (rank 0's verdict, shared) ends the job cleanly, printed once; any other aborts all
-    ranks."""
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        if issubclass(kind, (KeyboardInterrupt, SystemExit)):
-            return previous(kind, value, tb)
-        if isinstance(value, world_mod.PeerFailure) and _active_job is not None:
-            # A peer died during the user's own collective work: saved, exit 75.
-            _active_job._fail(value)
-        rank, size, comm = "?", 1, None
-        if world_mod.is_initialized():
-            w = world_mod.world()
-            rank, size, comm = w.rank, w.size, w._comm
-        ours = isinstance(value, HpcAdaptError)
-        together = ours and value.all_ranks
-        if ours:
-            if not together or rank in (0, "?"):
-                sys.stderr.write(f"[rank {rank}] hpcadapt: {value}\n")
-        else:
-            text = "".join(traceback.format_exception(kind, value, tb))
-            sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
-        if not together:
-            sys.stderr.write(f"[rank {rank}] hpcadapt: {'error' if ours else 'uncaught exception'}"
-                             f" on rank {rank}; aborting all {size} ranks\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        code = 2 if ours else 1
-        from mpi4py import MPI
-
-        try:
-            if together:
-                world_mod.shutdown()
-                MPI.Finalize()
-            else:
-                (comm if comm is not None else MPI.COMM_WORLD).Abort(code)
-        finally:
-            os._exit(code)
-
-    sys.excepthook = hook
-
-
 class Job:
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
     or keyword options of ``JobOptions`` (``policies=[GNSBatchSize(...)]``, ...). Creating
     the job joins the MPI world, sets up rank-prefixed logging, the stop-signal handlers
-    (with a checkpoint) and the abort-on-exception hook. A worker started to join a running
+    and the abort-on-exception hook. A worker started to join a running
     job (``HPCADAPT_JOIN_DIR`` set) joins it in ``setup``."""
 
     def __init__(self, args: Optional[argparse.Namespace] = None, **options: Any):
@@ -228,10 +178,16 @@ class Job:
         from .preemption import block_stop_signals
 
         block_stop_signals()  # until the handlers below are in place (before MPI starts)
-        _install_abort_on_exception()
+        lifecycle.install_abort_on_exception()
+        setup_logging()  # before the flags are read: their warnings, once, rank-prefixed
         self.options = JobOptions.from_args(args, **options) if args is not None \
             else JobOptions(**options)
         o = self.options
+        from .args import refuse_inconsistent
+
+        why = refuse_inconsistent(o)
+        if why:  # the same flags on every rank: said once, by rank 0
+            raise on_every_rank(ConfigurationError(why))
         self._join_dir = config.take_join_dir()
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period,
@@ -245,14 +201,14 @@ class Job:
                 raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
                                          f"(2 makes the rank take twice as long)")
         self.joining = self._join_dir is not None
-        self.stop_signals: Optional[StopSignals] = None
-        if o.checkpoint:
-            self.stop_signals = StopSignals([parse_signal(s) for s in o.stop_signals]).install()
-        else:
-            unblock_stop_signals()
+        # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
+        # next step boundary, saying nothing was saved, instead of being swallowed.
+        self.stop_signals: Optional[StopSignals] = StopSignals.named(
+            o.stop_signals, saves=bool(o.checkpoint)).install()
         self.world = world_mod.init()
-        global _active_job
-        _active_job = self
+        # A peer that dies during the user's own collective work: saved, exit 75.
+        lifecycle.set_failure_handler(
+            lambda exc: self._fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
         setup_logging(lambda: self.world.rank)
         most = max(self.world.size, o.max_workers or 0, o.initial_workers or 0)
         if o.slow_rank is not None and o.slow_rank >= most and self.world.rank == 0:
@@ -533,14 +489,17 @@ class Job:
 
     def _check_output_folders(self) -> None:
         """Refuse at start (not at the first write, nor when the stop signal comes) an output
-        path whose folder cannot be written: rank 0 probes, every rank hears its verdict."""
+        path that cannot be written, itself or its folder: rank 0 probes, every rank hears
+        its verdict."""
         o = self.options
         error = ""
         if self.world.rank == 0:
             for flag, path in (("--checkpoint", o.checkpoint), ("--metrics-file", o.metrics_file),
                                ("--summary-json", o.summary_json)):
                 if path and not error:
-                    error = _unwritable(flag, path)
+                    error = _unwritable(flag, path, replaced=flag == "--checkpoint")
+            if o.sample_log and not error:
+                error = _unwritable("--sample-log", o.sample_log, folder_path=True)
         self._agree(error)
 
     @property
@@ -2142,11 +2101,31 @@ class Job:
         return self.state
 
 
-def _unwritable(flag: str, path: str) -> str:
-    """Why ``path`` cannot be written (a one-line message naming ``flag``), or ""."""
-    if os.path.isdir(path):
+def _unwritable(flag: str, path: str, *, folder_path: bool = False,
+                replaced: bool = False) -> str:
+    """Why ``path`` cannot be written (a one-line message naming ``flag``), or "". The file
+    itself when it exists (opened for writing without following a link, creating or
+    truncating nothing: a read-only file used to pass and fail at the job's end), then its
+    folder (a probe file). ``folder_path``: ``path`` is a folder the job writes into;
+    ``replaced``: the file is only ever renamed over (a checkpoint), so only its folder
+    counts."""
+    if os.path.islink(path) and not replaced:
+        return (f"{flag} {path}: is a symbolic link, which hpcadapt does not write through; "
+                f"pass the real path")
+    if os.path.isdir(path) and not folder_path:
         return f"{flag} {path}: is a folder; pass a file path"
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.lexists(path) and folder_path and not os.path.isdir(path):
+        return f"{flag} {path}: is not a folder; pass a folder path"
+    if os.path.lexists(path) and not (folder_path or replaced):
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC))
+        except OSError as exc:
+            return (f"{flag} {path}: the file cannot be written ({exc.strerror}); make it "
+                    f"writable or pass another path")
+    folder = os.path.abspath(path) if folder_path else os.path.dirname(os.path.abspath(path))
+    while folder_path and not os.path.exists(folder):
+        folder = os.path.dirname(folder)  # the folder that its missing ones are made in
     try:
         fd, probe = tempfile.mkstemp(prefix=".hpcadapt-probe-", dir=folder)
         os.close(fd)

@@ -4,33 +4,52 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Callable, Optional
 
 from . import config
+from .lifecycle import is_first_rank, launch_rank
 
 __all__ = ["setup_logging"]
 
 
 class _RankFilter(logging.Filter):
-    def __init__(self, rank_of):
+    """Names the rank in each record. Before the world exists (``rank_of`` returns None)
+    every rank reads the same flags and says the same things: the launch's first rank
+    speaks for all, the others' records are dropped (they were printed once per rank)."""
+
+    def __init__(self, rank_of: Callable[[], Optional[int]]):
         super().__init__()
         self._rank_of = rank_of
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self._rank_of()
+        rank = self._rank_of()
+        if rank is None:
+            if not is_first_rank():
+                return False
+            rank = launch_rank() or 0
+        record.rank = rank
         return True
 
 
-def setup_logging(rank_of) -> None:
-    """Log ``[rank N] LEVEL name: message`` to stderr; ``rank_of`` returns the current rank
-    (it changes across resizes)."""
-    root = logging.getLogger("hpcadapt")
-    for h in list(root.handlers):
-        if getattr(h, "_hpcadapt", False):
-            root.removeHandler(h)
+def _world_rank() -> Optional[int]:
+    runtime = sys.modules.get("hpcadapt.runtime")
+    return runtime.world().rank if runtime is not None and runtime.is_initialized() else None
+
+
+def setup_logging(rank_of: Callable[[], Optional[int]] = _world_rank) -> None:
+    """Log ``[rank N] LEVEL name: message`` to stderr, hpcadapt's records and Python's
+    warnings (``warnings.warn``, which printed without a rank); ``rank_of`` returns the
+    current rank (it changes across resizes), or None before the world exists."""
     handler = logging.StreamHandler(sys.stderr)
     handler._hpcadapt = True  # type: ignore[attr-defined]
     handler.addFilter(_RankFilter(rank_of))
     handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
-    root.setLevel(config.log_level())
-    root.propagate = False
+    logging.captureWarnings(True)
+    for name, level in (("hpcadapt", config.log_level()), ("py.warnings", logging.WARNING)):
+        logger = logging.getLogger(name)
+        for h in list(logger.handlers):
+            if getattr(h, "_hpcadapt", False):
+                logger.removeHandler(h)
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = False

@@ -4,7 +4,9 @@ Slurm sends USR1 (or whichever signal ``#SBATCH --signal=SIG@T`` names) some sec
 time limit, and TERM before it kills a job (``scancel``, preemption). A handler only notes
 the signal; the training then agrees on it at the next step boundary (the flag travels in
 the step's control reduction, so every rank stops at the same step), saves its state and
-exits with ``EXIT_REQUEUE`` so that the job script can requeue the job."""
+exits with ``EXIT_REQUEUE`` so that the job script can requeue the job. Without a checkpoint
+the job stops the same way, says that nothing was saved, and exits with 1 (nothing to
+requeue from); Ctrl-C is always a stop signal."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import logging
 import signal
 from typing import Dict, Optional, Sequence
 
-__all__ = ["StopSignals", "EXIT_REQUEUE", "parse_signal", "block_stop_signals",
+__all__ = ["StopSignals", "EXIT_REQUEUE", "ALWAYS_STOP", "parse_signal", "block_stop_signals",
            "unblock_stop_signals"]
 
 log = logging.getLogger(__name__)
@@ -51,19 +53,35 @@ def parse_signal(name: str) -> signal.Signals:
         raise ValueError(f"unknown signal {name!r}; use a name like USR1 or TERM") from None
 
 
-class StopSignals:
-    """Remembers the first of ``signals`` received; ``received`` is its name (or None)."""
+# Ctrl-C (SIGINT to mpiexec, which forwards it to every rank) stops like a stop signal: at
+# the next step boundary, saving with --checkpoint; never a KeyboardInterrupt traceback from
+# each rank.
+ALWAYS_STOP = (signal.SIGINT,)
 
-    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGUSR1, signal.SIGTERM)):
-        self.signals = tuple(signals)
+
+class StopSignals:
+    """Remembers the first of ``signals`` received; ``received`` is its name (or None).
+    ``saves``: whether the job saves its state when it stops (it has a --checkpoint); without
+    one the receipt is not logged, rank 0's single line at the stop says nothing was saved."""
+
+    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGUSR1, signal.SIGTERM),
+                 *, saves: bool = True):
+        self.signals = tuple(dict.fromkeys(signals))
+        self.saves = saves
         self.received: Optional[str] = None
         self._previous: Dict[signal.Signals, object] = {}
+
+    @classmethod
+    def named(cls, names: Sequence[str], *, saves: bool) -> "StopSignals":
+        """The signals ``names`` (--stop-signals) and Ctrl-C's."""
+        return cls([parse_signal(n) for n in names] + list(ALWAYS_STOP), saves=saves)
 
     def _handle(self, signum: int, _frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
-            log.warning("%s received: the job saves its state at the next step boundary",
-                        self.received)
+            if self.saves:
+                log.warning("%s received: the job saves its state at the next step boundary",
+                            self.received)
 
     def install(self) -> "StopSignals":
         for sig in self.signals:

@@ -206,6 +206,9 @@ def init(comm: Optional[MPI.Intracomm] = None) -> World:
     global _world
     if _world is not None:
         return _world
+    from .lifecycle import install_abort_on_exception
+
+    install_abort_on_exception()  # an exception on one rank ends them all, never a hang
     base = comm if comm is not None else MPI.COMM_WORLD
     _world = World(base.Dup())
     return _world

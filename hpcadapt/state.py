@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import math
+import numbers
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -253,36 +254,82 @@ class TrainingState:
                                  f"{key}={value!r}")
         self._check_model(blob["model"])
         self._check_meta(blob["meta"])
+        self._check_optimizer(blob["optimizer"])
         self.model.load_state_dict(blob["model"])
         self.optimizer.load_state_dict(blob["optimizer"])
         self.load_meta(blob["meta"])
 
     def _check_meta(self, meta: Mapping[str, Any]) -> None:
+        """Every field in range, else ValueError naming it and its value (a checksum proves
+        integrity, not sense): counts whole and non-negative, bounded by the dataset where
+        it bounds them, rates and statistics finite."""
         try:
             sampler, hyper = meta["sampler"], meta["hyper"]
-            step, epoch, cursor = int(meta["step"]), int(meta["epoch"]), int(sampler["cursor"])
-            total = int(sampler["num_samples"])
+            total = _whole("dataset size", sampler["num_samples"])
             origin = meta.get("origin") or {}
-        except (KeyError, TypeError, ValueError) as exc:
+            gns = meta.get("gns") or {}
+            if total != self.sampler.num_samples:
+                raise ValueError(f"it was written for a dataset of {total} samples, this one "
+                                 f"has {self.sampler.num_samples}")
+            step, epoch = _whole("step", meta["step"]), _whole("epoch", meta["epoch"])
+            cursor = _whole("data cursor", sampler["cursor"])
+            _whole("sampler epoch", sampler["epoch"])
+            _whole("sampler seed", sampler["seed"], high=2 ** 64 - 1)
+            _whole("sampler shuffle", sampler["shuffle"], high=1)
+            _whole("cluster version", meta["version"])
+            for key in ("batch_size", "base_batch_size"):
+                _whole(key.replace("_", " "), hyper[key], low=1, high=total)
+            for key in ("lr", "base_lr"):
+                _finite(key, hyper[key], positive=True)
+            _finite("momentum", hyper["momentum"], low=0.0)
+            if hyper.get("ramp") is not None:
+                start, steps, start_lr, end_lr = hyper["ramp"]
+                _whole("ramp start", start)
+                _whole("ramp steps", steps)
+                _finite("ramp start lr", start_lr, positive=True)
+                _finite("ramp end lr", end_lr, positive=True)
+            _finite("applied lr", meta["applied_lr"], positive=True)
+            if not math.isnan(_number("accuracy", meta["accuracy"])):
+                _finite("accuracy", meta["accuracy"], low=0.0, high=1.0)
+            for key in ("g", "s", "weight"):
+                if key in gns:
+                    _finite(f"noise scale statistic {key}", gns[key])
+            if "ema" in gns:
+                _finite("noise scale ema", gns["ema"], positive=True, high=1.0)
+            if "base_batch" in gns:
+                _whole("noise scale base batch", gns["base_batch"])
+            for key in ("lr", "momentum"):
+                if key in origin:
+                    _finite(f"starting {key}", origin[key], low=0.0)
+            if "batch_size" in origin:
+                _whole("starting batch size", origin["batch_size"], low=1, high=total)
+        except (KeyError, TypeError) as exc:
             raise ValueError(f"its training state is incomplete ({exc!r})") from None
-        if total != self.sampler.num_samples:
-            raise ValueError(f"it was written for a dataset of {total} samples, this one has "
-                             f"{self.sampler.num_samples}")
-        if not (0 <= cursor <= total and step >= 0 and epoch >= 0):
+        if cursor > total:
             raise ValueError(f"its progress is impossible (epoch {epoch}, step {step}, cursor "
                              f"{cursor} of {total} samples)")
-        for key in ("lr", "base_lr"):
-            if not (isinstance(hyper.get(key), (int, float)) and math.isfinite(hyper[key])
-                    and hyper[key] > 0):
-                raise ValueError(f"its {key} is {hyper.get(key)!r}")
-        if not (isinstance(hyper.get("batch_size"), int) and hyper["batch_size"] >= 1):
-            raise ValueError(f"its batch size is {hyper.get('batch_size')!r}")
         for key, mine in self.origin.items():
             if key in origin and not math.isclose(float(origin[key]), float(mine),
                                                   rel_tol=1e-12):
                 raise ValueError(f"training was started with {key} {origin[key]:g} there and "
                                  f"with {mine:g} here: resume with the settings it started "
                                  f"with, or remove the checkpoint to start afresh")
+
+    @staticmethod
+    def _check_optimizer(saved: Mapping[str, Any]) -> None:
+        """The optimizer's state (momentum buffers, Adam's moments, step counts) and its
+        groups' settings finite: NaN there resumed silently and trained NaN."""
+        try:
+            states, groups = saved["state"], saved["param_groups"]
+            for index, entry in states.items():
+                for key, value in entry.items():
+                    _finite_values(f"optimizer state {key!r} of parameter {index}", value)
+            for number, group in enumerate(groups):
+                for key, value in group.items():
+                    if key != "params":
+                        _finite_values(f"optimizer group {number}'s {key!r}", value)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"its optimizer state is incomplete ({exc!r})") from None
 
     def _check_model(self, saved: Mapping[str, Any]) -> None:
         mine = self.model.state_dict()
@@ -298,6 +345,48 @@ class TrainingState:
         extra = [n for n in saved if n not in mine]
         if extra:
             raise ValueError(f"it holds {extra[0]!r}, which this model does not have")
+
+
+_MOST = 2 ** 62  # larger counts are not a real run's (and overflow where they are used)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"its {name} is {value!r}, not a number")
+    return float(value)
+
+
+def _whole(name: str, value: Any, *, low: int = 0, high: int = _MOST) -> int:
+    """``value`` as a whole number in [low, high]; ValueError naming ``name`` otherwise."""
+    v = _number(name, value)
+    if not (math.isfinite(v) and v == int(v) and low <= int(v) <= high):
+        raise ValueError(f"its {name} is {value!r} (a whole number in [{low}, {high}] "
+                         f"expected)")
+    return int(v)
+
+
+def _finite(name: str, value: Any, *, low: Optional[float] = None,
+            high: Optional[float] = None, positive: bool = False) -> float:
+    """``value`` as a finite number (above 0 when ``positive``, within low/high)."""
+    v = _number(name, value)
+    if not (math.isfinite(v) and (not positive or v > 0) and (low is None or v >= low)
+            and (high is None or v <= high)):
+        raise ValueError(f"its {name} is {value!r}")
+    return v
+
+
+def _finite_values(name: str, value: Any) -> None:
+    """Tensors and numbers (in tuples and lists) finite; other values are not checked."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"its {name} holds NaN or infinite values")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _finite_values(name, item)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not math.isfinite(float(value)):
+            raise ValueError(f"its {name} is {value!r}")
 
 
 def read_checkpoint(path: str) -> Dict[str, Any]:

@@ -124,3 +124,66 @@ def test_another_model_is_refused_with_what_differs(tmp_path):
     with pytest.raises(ValueError, match=r"'weight' has shape \(2, 4\) there and \(2, 6\)"):
         load(path, make_state(width=6))
 
+
+
+def _forged(tmp_path, edit):
+    """A saved checkpoint whose content ``edit(blob)`` changed, written again with a valid
+    header and digest (what a buggy writer or a hand-edited file looks like)."""
+    import hashlib
+    import io
+    import json
+
+    path = saved(tmp_path)
+    blob = read_checkpoint(str(path))
+    edit(blob)
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    payload = buf.getvalue()
+    header = {"magic": "hpcadapt-checkpoint", "format": 3, "length": len(payload),
+              "blake2b": hashlib.blake2b(payload).hexdigest()}
+    path.write_bytes(json.dumps(header).encode() + b"\n" + payload)
+    return path
+
+
+def _set(*keys, value):
+    def edit(blob):
+        here = blob
+        for key in keys[:-1]:
+            here = here[key]
+        here[keys[-1]] = value
+    return edit
+
+
+def _nan_momentum_buffer(blob):
+    state = blob["optimizer"]["state"]
+    state[0] = {"momentum_buffer": torch.full((2, 4), float("nan"))}
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_set("meta", "step", value=float("inf")), "its step is inf"),
+    (_set("meta", "epoch", value=-1), "its epoch is -1"),
+    (_set("meta", "sampler", "cursor", value=float("inf")), "its data cursor is inf"),
+    (_set("meta", "sampler", "cursor", value=2.5), "its data cursor is 2.5"),
+    (_set("meta", "hyper", "batch_size", value=10 ** 12), "its batch size is 1000000000000"),
+    (_set("meta", "hyper", "lr", value=float("nan")), "its lr is nan"),
+    (_set("meta", "hyper", "momentum", value=float("-inf")), "its momentum is -inf"),
+    (_set("meta", "applied_lr", value=0.0), "its applied lr is 0.0"),
+    (_set("meta", "accuracy", value=7.0), "its accuracy is 7.0"),
+    (_set("meta", "gns", "g", value=float("inf")), "its noise scale statistic g is inf"),
+    (_set("meta", "version", value="two"), "its cluster version is 'two', not a number"),
+    (_nan_momentum_buffer, "its optimizer state 'momentum_buffer' of parameter 0 holds NaN"),
+    (_set("optimizer", "param_groups", 0, "lr", value=float("nan")),
+     "its optimizer group 0's 'lr' is nan"),
+])
+def test_every_field_out_of_range_is_refused_in_one_line_naming_it(tmp_path, edit, message):
+    """Behind a valid digest: an infinite step used to end in an OverflowError traceback,
+    NaN optimizer state and a batch of 10**12 to resume silently."""
+    path = _forged(tmp_path, edit)
+    with pytest.raises(ValueError) as exc:
+        load(path)
+    assert message in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_a_forged_but_sane_checkpoint_still_loads(tmp_path):
+    """The forging helper itself changes nothing that matters: the checks are the refusal."""
+    load(_forged(tmp_path, lambda blob: None))

@@ -97,3 +97,56 @@ def test_data_plane_nccl_for_a_model_on_the_cpu_is_refused_in_one_line():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "'nccl' carries CUDA tensors" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("program", [["-m", "hpcadapt.train"],
+                                     [str(ROOT / "tests" / "scripts" / "fail_on_rank1.py")]])
+def test_an_unknown_flag_on_two_ranks_is_named_once_with_where_the_flags_are(program):
+    """Every rank parses the same command line; only the first says what is wrong (not the
+    whole usage text N times), on hpcadapt's CLI and on a user's parser that
+    hpcadapt.add_arguments extended; every rank exits with 2."""
+    from conftest import mpiexec
+
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable] + program + ["--no-such-flag"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) <= 6, lines
+    assert sum("--no-such-flag" in line for line in lines) == 1, lines
+    assert any("--help" in line for line in lines), lines
+
+
+def _refusal(flags):
+    from hpcadapt.args import refuse_inconsistent
+    from hpcadapt.job import JobOptions
+
+    return refuse_inconsistent(JobOptions.from_args(build_parser().parse_args(flags)))
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--min-workers", "3"], "--min-workers 3 needs --max-workers"),
+    (["--policy", "resize-schedule", "--resize-schedule-steps", "5:3"],
+     "--policy resize-schedule resizes the job and needs --max-workers"),
+    (["--policy", "autoscale"], "--policy autoscale resizes the job and needs --max-workers"),
+    (["--policy", "straggler"], "--policy straggler resizes the job and needs --max-workers"),
+    (["--max-workers", "3", "--max-steps", "20", "--policy", "resize-schedule",
+      "--resize-schedule-steps", "5:3,50:2"],
+     "--resize-schedule-steps 50:2: step 50 is beyond --max-steps 20"),
+])
+def test_flags_unusable_together_are_refused_in_one_line(flags, words):
+    assert words in _refusal(flags)
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--min-workers", "2", "--max-workers", "3"], ["--policy", "gns-batch"],
+    ["--max-workers", "3", "--max-steps", "20", "--policy", "resize-schedule",
+     "--resize-schedule-steps", "5:3,20:2"],
+])
+def test_flags_usable_together_pass(flags):
+    assert _refusal(flags) == ""
+
+
+@pytest.mark.parametrize("value", ["0", "-0.1", "inf"])
+def test_a_learning_rate_that_cannot_train_is_refused(capsys, value):
+    err = parse_error([f"--lr={value}"], capsys)
+    assert "--lr" in err and "positive finite" in err and "Traceback" not in err

@@ -103,14 +103,18 @@ def test_requests_beyond_the_allocator_are_clipped_or_refused(caplog):
     world.free()
 
 
-def test_resize_without_allocator_is_refused_and_training_goes_on(tmp_path):
+def test_a_resizing_policy_without_an_allocator_is_refused_at_start_once(tmp_path):
+    """Refused before training (it used to train on at its size, the schedule ignored): one
+    line from rank 0, exit 2, no metrics written."""
     metrics = tmp_path / "m.jsonl"
     proc = run_mpi(2, ["-m", "hpcadapt.train", "--epochs", "1", "--no-progress",
                        "--policy", "resize-schedule", "--resize-schedule-steps", "5:3",
-                       "--metrics-file", str(metrics)], timeout=300)
-    assert "no allocator (start with --max-workers)" in proc.stderr
-    steps = [r for r in read_jsonl(metrics) if r["event"] == "step"]
-    assert len(steps) == 45 and all(r["world_size"] == 2 for r in steps)
+                       "--metrics-file", str(metrics)], timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "needs --max-workers" in line]
+    assert lines == ["[rank 0] hpcadapt: --policy resize-schedule resizes the job and needs "
+                     "--max-workers (the most workers it may grow to)"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not metrics.exists()
 
 
 def test_the_host_staged_plane_is_rebuilt_across_a_grow_and_a_shrink(tmp_path):

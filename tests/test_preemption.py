@@ -174,3 +174,48 @@ def test_a_state_that_cannot_be_saved_is_not_requeued(tmp_path):
     assert proc.returncode == 1, err[-3000:]  # not 75: the job script must not requeue
     assert f"but the state could not be saved to {ckpt}" in err
     assert _summary(out)["stopped"] == "SIGTERM; state NOT saved"
+
+
+def _start_and_wait_for_a_step(tmp_path, flags):
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.Popen(_train(tmp_path, "samples", ["--epochs", "1000", "--metrics-file",
+                                                         str(metrics)] + flags),
+                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reap_on_teardown(proc, str(metrics))
+    wait_for(lambda: _steps_reported(metrics) >= 2, "step 2", proc)
+    return proc
+
+
+def test_a_stop_signal_without_a_checkpoint_ends_the_job_saying_nothing_was_saved(tmp_path):
+    """USR1 (Slurm's --signal) to rank 1 with no --checkpoint: it was swallowed and the job
+    trained on; now every rank stops at the next step boundary, rank 0 says in one line that
+    nothing was saved, and the job exits with 1 (nothing to requeue from)."""
+    proc = _start_and_wait_for_a_step(tmp_path, [])
+    pids = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(_rank_pids(tmp_path / "samples")),
+                    "both ranks' sample logs", proc)
+    os.kill(pids[1], signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if "state not saved" in line]
+    assert len(lines) == 1 and "no --checkpoint given" in lines[0], err[-3000:]
+    assert "Traceback" not in err
+    assert _summary(out)["stopped"] == "a stop signal on another rank; state NOT saved"
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_ctrl_c_stops_at_a_step_boundary_like_a_stop_signal(tmp_path, saved):
+    """SIGINT to mpiexec (Ctrl-C), which forwards it to every rank: no KeyboardInterrupt
+    traceback from each rank; with --checkpoint the state is saved (exit 75), without it one
+    line says nothing was (exit 1)."""
+    ckpt = tmp_path / "state.ckpt"
+    proc = _start_and_wait_for_a_step(tmp_path, ["--checkpoint", str(ckpt)] if saved else [])
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert _summary(out)["stopped"].startswith("SIGINT")
+    if saved:
+        assert proc.returncode == EXIT_REQUEUE and ckpt.exists(), err[-3000:]
+        assert "stopped on SIGINT at epoch" in err and "state saved" in err
+    else:
+        assert proc.returncode == 1 and not ckpt.exists(), err[-3000:]
+        assert sum("no --checkpoint given, state not saved" in l for l in err.splitlines()) == 1

@@ -154,11 +154,40 @@ def test_usr1_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path)
     assert samples(tmp_path / "s") == samples(tmp_path / "ref")
 
 
-def test_an_exception_on_rank_1_ends_the_job_with_its_traceback():
-    proc = run_mpi(2, [str(SCRIPTS / "fail_on_rank1.py")], check=False, timeout=300)
+@pytest.mark.parametrize("loader_workers", [0, 2])
+def test_an_exception_on_rank_1_ends_the_job_with_its_traceback(loader_workers):
+    """With loader worker processes too: the failing rank ends them (they held the
+    launcher's output pipes open until torch's 5-s watchdog noticed their parent gone)."""
+    proc = run_mpi(2, [str(SCRIPTS / "fail_on_rank1.py"), "--loader-workers",
+                       str(loader_workers)], check=False, timeout=300)
     assert proc.returncode != 0
     assert "[rank 1] RuntimeError: user code failed on purpose at step 3" in proc.stderr
     assert "[rank 1] Traceback" in proc.stderr and "aborting all 2 ranks" in proc.stderr
+
+
+def test_an_exception_on_rank_1_ends_a_job_of_the_low_level_api():
+    """hpcadapt.init() and the collectives only (no Job): rank 1's exception ends rank 0,
+    which waits in the next allreduce, too (it hung before: the deadline is the timeout)."""
+    proc = run_mpi(2, [str(SCRIPTS / "fail_low_level.py")], check=False, timeout=60)
+    assert proc.returncode != 0
+    assert "[rank 1] RuntimeError: low-level user code failed on purpose on rank 1" in proc.stderr
+    assert "[rank 1] Traceback" in proc.stderr
+    assert "[rank 1] hpcadapt: uncaught exception on rank 1; aborting all 2 ranks" in proc.stderr
+
+
+def test_an_exception_before_the_world_names_the_mpi_rank(tmp_path):
+    """Before hpcadapt's world exists, the hook names MPI's own rank and size, not "?"."""
+    script = tmp_path / "early.py"
+    script.write_text("from hpcadapt.lifecycle import install_abort_on_exception\n"
+                      "install_abort_on_exception()\n"
+                      "from mpi4py import MPI\n"
+                      "if MPI.COMM_WORLD.Get_rank() == 1:\n"
+                      "    raise ValueError('early failure')\n"
+                      "MPI.COMM_WORLD.barrier()\n")
+    proc = run_mpi(2, [str(script)], check=False, timeout=60)
+    assert proc.returncode != 0
+    assert "[rank 1] ValueError: early failure" in proc.stderr, proc.stderr[-2000:]
+    assert "uncaught exception on rank 1; aborting all 2 ranks" in proc.stderr
 
 
 @pytest.mark.parametrize("case,flags,message", [
@@ -348,3 +377,21 @@ def test_own_script_trains_under_the_asynchronous_strategies(tmp_path, strategy)
         assert max(int(d) for d in s["bounded_delay"]["delays_applied"]) <= 1
     else:
         assert not rounds and "bounded_delay" not in s
+
+
+def test_a_warning_about_the_flags_is_printed_once_with_the_rank():
+    """Every rank reads the same flags; before the world exists only the first says what it
+    found (it was printed by each rank, with no rank prefix)."""
+    proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", "ok", "--gns-batch-max", "64"],
+                   timeout=300)
+    lines = [l for l in proc.stderr.splitlines() if "--gns-batch-max given without" in l]
+    assert len(lines) == 1 and lines[0].startswith("[rank 0] WARNING "), proc.stderr[-3000:]
+
+
+def test_python_warnings_in_a_job_name_their_rank_once():
+    proc = run_mpi(2, [str(SCRIPTS / "warn_in_job.py")], timeout=120)
+    for rank in (0, 1):
+        lines = [l for l in proc.stderr.splitlines()
+                 if f"a warning from the user's code on rank {rank}" in l and "UserWarning" in l]
+        assert len(lines) == 1 and lines[0].startswith(f"[rank {rank}] WARNING py.warnings"), \
+            proc.stderr[-3000:]
