@@ -1449,10 +1449,10 @@ class Job:
         st = self.state
         detected = time.time()
         who = f"rank {exc.rank}" if exc.rank >= 0 else "a peer"
-        log.error("%s of %d failed at step %d (%s); detected at %s: ending the job with the "
-                  "state of step %d (exit %d)", who, self.world.size, st.step if st else 0,
-                  exc, time.strftime("%H:%M:%S", time.localtime(detected)) +
-                  f".{int(detected * 1000) % 1000:03d}", st.step if st else 0, EXIT_REQUEUE)
+        log.error("%s of %d failed at step %d (%s); detected at %s: ending the job", who,
+                  self.world.size, st.step if st else 0, exc,
+                  time.strftime("%H:%M:%S", time.localtime(detected)) +
+                  f".{int(detected * 1000) % 1000:03d}")
         code = EXIT_REQUEUE
         if self.world.rank == 0 and st is not None:
             self.sink.write({"event": "failure", "rank": exc.rank, "cause": exc.cause,
@@ -1460,10 +1460,17 @@ class Job:
                              "world_size": self.world.size, "detected_unix": detected,
                              "waited_s": exc.waited_s,
                              "cluster_version": self.world.cluster_version})
+            saved = False
             if self.options.checkpoint and not self.joining:
                 self.stopped = "peer failure"
-                if not self._save_for_stop(f"the failure of {who}"):
+                saved = self._save_for_stop(f"the failure of {who}")
+                if not saved:
                     code = 1
+            else:
+                log.error("nothing saved (%s): the state of step %d is lost; exit %d",
+                          "no --checkpoint" if not self.options.checkpoint else
+                          "a joined worker does not save", st.step, code)
+            self._record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
         self.sink.close()
         if self._sample_file is not None:
             self._sample_file.close()
@@ -1943,6 +1950,10 @@ class Job:
         if self.world.rank == 0:
             log.info("resumed from %s at epoch %d, step %d", path, self.state.epoch,
                      self.state.step)
+            self.sink.write({"event": "resume", "step": self.state.step,
+                             "epoch": self.state.epoch, "world_size": self.world.size,
+                             "saved_world_size": self.state.world_size, "checkpoint": path,
+                             "cluster_version": self.world.cluster_version})
             if self.state.strategy != self._initial_strategy:
                 log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
                             "the run had switched; a policy may switch again)",
@@ -1967,9 +1978,18 @@ class Job:
         saved = np.ones(1, dtype=np.int64)
         if self.world.rank == 0:
             saved[0] = self._save_for_stop(name)
+            self._record_stop(name, bool(saved[0]), requeue=bool(saved[0]))
         communicator(self.world).broadcast(saved, root=0)
         if not saved[0]:
             self.stopped = f"{name}; state NOT saved"
+
+    def _record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
+        """Rank 0: the stop's line in the metrics (plots mark it)."""
+        st = self.state
+        self.sink.write({"event": "stop", "step": st.step, "epoch": st.epoch,
+                         "world_size": self.world.size, "signal": why, "saved": saved,
+                         "checkpoint": self.options.checkpoint if saved else None,
+                         "requeue": requeue, "cluster_version": self.world.cluster_version})
 
     def _stop_for_divergence(self) -> None:
         """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps (updates
@@ -1988,6 +2008,7 @@ class Job:
                   "rate %.4g, batch %d): training stops. Lower the learning rate (--lr), "
                   "clip gradients, or raise --max-nonfinite-steps", n, unit, st.step,
                   st.hyper.lr, st.hyper.batch_size)
+        self._record_stop(name, False, requeue=False)
         path = self.options.checkpoint
         kept = _checkpoint_step(path) if path else None
         if kept is not None:
@@ -2015,8 +2036,8 @@ class Job:
                         "T + 60 s", st.step - self._resumed_at)
         path = self.options.checkpoint
         if not path:
-            log.warning("stopped on %s at step %d; no --checkpoint given, state not saved",
-                        name, st.step)
+            log.warning("stopped on %s at step %d; no --checkpoint given, state not saved "
+                        "(pass --checkpoint PATH to save it and resume)", name, st.step)
             return False
         try:
             self.save_checkpoint(path)

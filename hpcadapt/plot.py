@@ -131,13 +131,16 @@ def _between(before: List[Dict], after: List[Dict], wall_end: float) -> List[Dic
     if not _ended_by(before):
         out.append({"event": "stop", "inferred": True, "step": step, "wall_s": wall_end,
                     "unix_time": last.get("unix_time")})
-    if not any(r.get("event") == "resume" for r in after):
-        first = next((r for r in after if _num(r.get("time_s")) is not None), {})
-        started, ended = _origin(first), _num(last.get("unix_time"))
+    first = next((r for r in after if _num(r.get("time_s")) is not None), {})
+    started, ended = _origin(first), _num(last.get("unix_time"))
+    away = started - ended if started is not None and ended is not None else None
+    written = [r for r in after if r.get("event") == "resume"]
+    for r in written:  # the job's own resume line: how long the run was away, from the clocks
+        r.setdefault("away_s", away)
+    if not written:
         out.append({"event": "resume", "inferred": True, "step": step, "wall_s": wall_end,
                     "started_wall_s": wall_end + (_num(first.get("time_s")) or 0.0),
-                    "away_s": started - ended if started is not None and ended is not None
-                    else None})
+                    "away_s": away})
     return out
 
 
@@ -173,6 +176,10 @@ def prepare(rows: List[Dict]) -> List[Dict]:
             if t is not None:
                 row["wall_s"] = t + offset
                 wall_end = max(wall_end, row["wall_s"])
+            if k and row.get("event") == "resume" and "wall_s" in row:
+                # the job's own resume line: marked where the run stopped, the band up to
+                # when the resumed job wrote it
+                row["started_wall_s"], row["wall_s"] = row["wall_s"], offset
             out.append(row)
     return _latest_per(_latest_per(out, "epoch"), "step")
 

@@ -220,7 +220,7 @@ def test_grow_failure_preemption_and_resume_are_one_story(story_rows, tmp_path):
                 assert len(with_gid(ax, gid)) == 1, gid
             assert not with_gid(ax, "resize-failed") and not with_gid(ax, "failure-ended")
             labels = set(texts(ax))
-            assert {"2->3", "rank 2 died: 3->2", "stop"} <= labels, labels
+            assert {"2->3", "rank 2 died: 3->2", "stop: SIGTERM"} <= labels, labels
             assert any(t.startswith("resume (") and t.endswith(" s away)") for t in labels)
             assert {"resize done", "failure, recovered", "stop (signal, preemption)",
                     "resume (band: time away)", "decision: resize-schedule"} <= set(legend(ax))

@@ -107,11 +107,15 @@ def test_stop_and_resume_lines_are_drawn_as_they_say_and_nothing_is_inferred():
     marks = [r for r in rows if r["event"] in ("stop", "resume")]
     assert [(r["event"], r.get("inferred")) for r in marks] == [("stop", None),
                                                                ("resume", None)]
-    assert marks[1]["wall_s"] == pytest.approx(4.7)   # 0.5 s into the job that began at 4.2
+    # marked where the run stopped (4.2), the band up to the line, 0.5 s into the new job
+    assert marks[1]["wall_s"] == pytest.approx(4.2)
+    assert marks[1]["started_wall_s"] == pytest.approx(4.7)
     fig = build_figure({"r": STOPPED + [stop, resume] + RESUMED})
     try:
         ax = workers_axes(fig)[0]
-        assert {"stop: SIGTERM, NOT saved", "resume"} <= {t.get_text() for t in ax.texts}
+        labels = {t.get_text() for t in ax.texts}
+        assert "stop: SIGTERM, NOT saved" in labels
+        assert any(t.startswith("resume (") and t.endswith(" s away)") for t in labels), labels
         assert len(with_gid(ax, "stop")) == len(with_gid(ax, "resume")) == 1
     finally:
         matplotlib.pyplot.close(fig)
