@@ -69,8 +69,10 @@ def test_every_policy_under_every_launch_trains(tmp_path, policy, launch, progra
     summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert summary["steps"] == STEPS, summary
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # one line a step (a bounded-delay round, which straggler-async and sync-switch may
+    # switch to, writes one line for its steps)
     steps = [r["step"] for r in rows if r["event"] == "step"]
-    assert steps == list(range(1, STEPS + 1)) or steps == list(range(STEPS)), steps
+    assert steps == sorted(set(steps)) and steps[-1] == STEPS, steps
     if launch == "initial-workers":
         assert any(r["event"] == "resize" and r["reason"] == "initial workers" and r["ok"]
                    for r in rows), rows
