@@ -6,8 +6,8 @@ drifts of a noisy machine hit all of them alike; a step's time is the slowest ra
 configuration's mean is taken over the middle 80% of its steps."""
 
 import argparse
+import sys
 import time
-
 from typing import Iterator, Tuple
 
 import numpy as np
@@ -22,6 +22,7 @@ from hpcadapt.models import build_model
 from hpcadapt.monitor import MonitorConfig
 from hpcadapt.train import build_parser
 from common import single_thread, write_result
+from launch import quick_defaults
 
 OFF = MonitorConfig((), 1)
 NAMES = ("off", "gns_every_step", "gns_every_10", "variance_every_step")
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=100, help="steps per configuration")
     ap.add_argument("--batch", type=int, default=64, help="global batch")
+    quick_defaults(ap, sys.argv[1:], steps=10)  # 10: gns_every_10 monitors once
     args = ap.parse_args()
     single_thread()
     warmup = 8
