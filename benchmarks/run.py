@@ -63,17 +63,22 @@ def print_table(result: dict) -> None:
         print(f"    {k:<45} {v:10.4f}" if v is not None else f"    {k:<45}        n/a")
 
 
-def run_one(name: str, extra: List[str]) -> Tuple[str, dict, float]:
-    """(status, result, seconds): ``ok`` and the driver's result; ``skipped`` or ``failed``
-    and a result that says why (no ratios)."""
+def run_one(name: str, extra: List[str], *, go_on: bool) -> Tuple[str, dict, float]:
+    """(status, result, seconds): ``ok`` and the driver's result; with ``go_on`` (``all``),
+    ``skipped`` or ``failed`` and a result that says why (no ratios); without, a failure
+    ends the runner as the driver ends it (one line, exit 1)."""
     started = time.perf_counter()
     try:
         driver = importlib.import_module(BENCHMARKS[name][0])
         result = driver.run(name, extra)
         status = "ok"
     except Skipped as e:
+        if not go_on:
+            raise SystemExit(f"{name}: skipped: {e}") from None
         status, result = "skipped", {"benchmark": name, "skipped": str(e), "ratios": {}}
     except (Exception, SystemExit) as e:  # a driver fails with SystemExit(message)
+        if not go_on:
+            raise
         if not isinstance(e, SystemExit):
             traceback.print_exc()
         status, result = "failed", {"benchmark": name, "failed": str(e) or repr(e),
@@ -118,12 +123,14 @@ def main(argv=None) -> int:
     session = TempSession(keep=args.keep_tmp)
     try:
         for name in names:
-            status[name], results[name], seconds[name] = run_one(name, extra)
+            status[name], results[name], seconds[name] = run_one(
+                name, extra, go_on=args.name == "all")
             if status[name] == "ok":
                 print_table(results[name])
-            print(f"  {name}: {status[name]} in {seconds[name]:.1f} s"
-                  + "".join(f" ({results[name][k]})" for k in ("skipped", "failed")
-                            if k in results[name]), flush=True)
+            if args.name == "all":
+                print(f"  {name}: {status[name]} in {seconds[name]:.1f} s"
+                      + "".join(f" ({results[name][k]})" for k in ("skipped", "failed")
+                                if k in results[name]), flush=True)
     finally:
         session.close()
     for name, why in left_out.items():
