@@ -81,8 +81,11 @@ def grow_and_release(folder: Path, mode: str, epochs: int = 40) -> dict:
     if final.state != "COMPLETED":
         raise RuntimeError(f"job {job} ended {final.state}; see {folder}")
     rows = [r for r in _records(folder / "m.jsonl") if r.get("event") == "resize" and r["ok"]]
-    grow = next(r for r in rows if (r["old_size"], r["new_size"]) == (1, 3))
-    shrink = next(r for r in rows if (r["old_size"], r["new_size"]) == (3, 1))
+    made = {(r["old_size"], r["new_size"]): r for r in rows}
+    if (1, 3) not in made or (3, 1) not in made:
+        raise RuntimeError(f"job {job} ({mode}) did not grow 1 -> 3 and shrink 3 -> 1 in "
+                           f"{epochs} epochs (resizes: {sorted(made)}); see {folder}")
+    grow, shrink = made[(1, 3)], made[(3, 1)]
     main_lists = {o.jobs[job].nodes for o in watch.observations
                   if job in o.jobs and o.jobs[job].nodes}
     main_nodes = _hostnames(min(main_lists, key=lambda n: len(_hostnames(n))))
@@ -132,9 +135,9 @@ def run(name, extra):
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=40,
-                    help="epochs of every job (the grow, the hold of 100 steps on 3 nodes "
-                         "and the shrink need 3)")
-    quick_defaults(ap, extra, repeats=1, epochs=4)
+                    help="epochs of every job (45 steps each: the grow, which the job trains "
+                         "through, 100 steps on 3 nodes and the shrink must fit)")
+    quick_defaults(ap, extra, repeats=1, epochs=10)
     args = ap.parse_args(extra)
     from hpcadapt.slurm.testcluster.cluster import ClusterError, TestCluster, ensure_packages
 
