@@ -20,13 +20,14 @@ import sys
 import tempfile
 import time
 
-from launch import ROOT, env, mpiexec, quick_defaults, run_mpi
+from launch import ROOT, env, mpiexec, run_mpi
 
 BIG = "4096,2560,1024"   # about 25.7M parameters on 3x32x32 inputs
 SMALL = "256,256"
 # --quick: the small MLP's steps take about a millisecond: the warm spare's start-up spans
 # thousands of them
 QUICK_SPARE_GROW_AT = 3000
+QUICK_TORCHRUN_STEPS = 1000
 
 
 def mlp_parameters(hidden: str, inputs: int = 3 * 32 * 32, classes: int = 10) -> int:
@@ -199,7 +200,7 @@ def run(name, extra):
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
     ap.add_argument("--quick", action="store_true",
                     help="the small MLP only (for the pauses, the warm spare, the broadcast "
-                         "and torchrun), torchrun to step 20")
+                         f"and torchrun), torchrun to step {QUICK_TORCHRUN_STEPS}")
     args = ap.parse_args(extra)
     tmp = tempfile.mkdtemp(prefix="hpcadapt-resize-")
     if args.quick:
@@ -207,7 +208,9 @@ def run(name, extra):
         big = hpcadapt_pauses(SMALL, tmp, "small", 30000, stop_when_done=True)
         small = {}
         spare = hpcadapt_warm_spare(SMALL, tmp, grow_at=QUICK_SPARE_GROW_AT)
-        tr = torchrun_restart(SMALL, tmp, steps=20)
+        # the small MLP's steps are fast: the 1-worker agent must not reach the end (and
+        # checkpoint it) before it is stopped after step 16
+        tr = torchrun_restart(SMALL, tmp, steps=QUICK_TORCHRUN_STEPS)
     else:
         label, hidden = "25M", BIG
         big = hpcadapt_pauses(BIG, tmp, "25M", 400)

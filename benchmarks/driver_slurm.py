@@ -104,13 +104,16 @@ def grow_and_release(folder: Path, mode: str, epochs: int = 40) -> dict:
             "new_nodes": ",".join(sorted(extra_nodes))}
 
 
-def resubmit_restart(folder: Path, epochs: int = 40) -> dict:
+def resubmit_restart(folder: Path) -> dict:
+    """The first job trains until signalled (it once ended its 40 epochs of fast steps
+    before the signal, and the 3-node job then had nothing left to train); the 3-node job
+    resumes and stops 20 steps later (--max-steps)."""
     from hpcadapt.slurm.commands import run_slurm
     from hpcadapt.slurm.testcluster.watch import JobWatcher
 
     folder.mkdir(parents=True)
     ckpt = str(folder / "state.ckpt")
-    args = ["--epochs", str(epochs), "--metrics-file", "m.jsonl"]
+    args = ["--epochs", "100000", "--metrics-file", "m.jsonl"]
     first = _submit(TRAIN, args, env=_env(CHECKPOINT=ckpt), cwd=str(folder),
                    sbatch_options=["--no-requeue"])
     metrics = folder / "m.jsonl"
@@ -123,11 +126,15 @@ def resubmit_restart(folder: Path, epochs: int = 40) -> dict:
     run_slurm(["scancel", "--signal=USR1", first])
     watcher = JobWatcher()
     watcher.wait_until_gone(first, 300)
-    second = _submit(TRAIN, args, env=_env(CHECKPOINT=ckpt, MIN_NODES=3), cwd=str(folder),
+    last = max(r["step"] for r in _records(metrics) if r.get("event") == "step")
+    second = _submit(TRAIN, args + ["--max-steps", str(last + 20)], env=_env(CHECKPOINT=ckpt, MIN_NODES=3), cwd=str(folder),
                     sbatch_options=["--nodes=3"])
     watcher.wait_until_gone(second, 600)
     steps = [r for r in _records(metrics) if r.get("event") == "step"]
-    first_after = next(r for r in steps if r["unix_time"] > signalled and r["world_size"] == 3)
+    after = [r for r in steps if r["unix_time"] > signalled and r["world_size"] == 3]
+    if not after:
+        raise RuntimeError(f"the 3-node job {second} trained no step; see {folder}")
+    first_after = after[0]
     return {"resubmit_restart_s": first_after["unix_time"] - signalled}
 
 
@@ -135,9 +142,10 @@ def run(name, extra):
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=40,
-                    help="epochs of every job (45 steps each: the grow, which the job trains "
-                         "through, 100 steps on 3 nodes and the shrink must fit)")
-    quick_defaults(ap, extra, repeats=1, epochs=10)
+                    help="epochs of the grow-and-release jobs (45 steps each: the grow, "
+                         "which the job trains through for seconds, 100 steps on 3 nodes and "
+                         "the shrink must fit)")
+    quick_defaults(ap, extra, repeats=1)
     args = ap.parse_args(extra)
     from hpcadapt.slurm.testcluster.cluster import ClusterError, TestCluster, ensure_packages
 
@@ -159,7 +167,7 @@ def run(name, extra):
                 for i in range(args.repeats)]
         expand = [grow_and_release(tmp / f"expand-{i}", "expand", args.epochs)
                   for i in range(args.repeats)]
-        base = resubmit_restart(tmp / "resubmit", args.epochs)
+        base = resubmit_restart(tmp / "resubmit")
         ok = True
     finally:
         if not ok:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -80,7 +80,7 @@ class TempSession:
     def __init__(self, keep: bool = False) -> None:
         self.keep = keep
         self.path = tempfile.mkdtemp(prefix="hpcadapt-bench-")
-        self._saved: Dict[str, Optional[str]] = {"TMPDIR": os.environ.get("TMPDIR")}
+        self._old_tmpdir: Optional[str] = os.environ.get("TMPDIR")
         os.environ["TMPDIR"] = self.path
         tempfile.tempdir = self.path
         self._old_term = signal.signal(signal.SIGTERM, _stop_on_sigterm)
@@ -88,10 +88,10 @@ class TempSession:
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self._old_term)
         tempfile.tempdir = None
-        if self._saved["TMPDIR"] is None:
+        if self._old_tmpdir is None:
             os.environ.pop("TMPDIR", None)
         else:
-            os.environ["TMPDIR"] = self._saved["TMPDIR"]
+            os.environ["TMPDIR"] = self._old_tmpdir
         if self.keep:
             print(f"temporary files kept in {self.path} (--keep-tmp)", flush=True)
         else:
