@@ -145,7 +145,7 @@ def run(name, extra):
                     help="epochs of the grow-and-release jobs (45 steps each: the grow, "
                          "which the job trains through for seconds, 100 steps on 3 nodes and "
                          "the shrink must fit)")
-    quick_defaults(ap, extra, repeats=1)
+    quick_defaults(ap, extra, repeats=1, epochs=20)  # 10 were too few once
     args = ap.parse_args(extra)
     from hpcadapt.slurm.testcluster.cluster import ClusterError, TestCluster, ensure_packages
 
