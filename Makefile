@@ -12,7 +12,7 @@ MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec)
 TIMEOUT := timeout --signal=KILL
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-unit test-mpi test-train bench clean
+.PHONY: setup demo test test-unit test-mpi test-train bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -43,7 +43,7 @@ demo: $(STAMP)
 	@echo "      (resizes in green; red dashed if one failed), the batch size and learning rate"
 	@echo "      with each policy's decisions, the gradient noise scale and the throughput."
 
-test: $(STAMP) test-unit test-mpi
+test: $(STAMP) test-unit test-mpi bench-quick
 
 test-unit: $(STAMP)
 	$(TIMEOUT) 2400 $(PYTEST) -q --timeout=600 --durations=20 tests
@@ -54,6 +54,14 @@ test-mpi: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py all --json bench-results.json
+
+# Every benchmark's quick mode (the same code, smaller sizes, fewer steps and repeats), so that
+# none of them rots: fails when one fails. SIGTERM first, so the runner removes its temporary
+# folder and stops its jobs; SIGKILL a minute later if it has not ended.
+bench-quick: $(STAMP)
+	json=$$(mktemp --suffix=.json) && \
+	timeout --kill-after=60 900 $(PY) benchmarks/run.py all --quick --json $$json; \
+	rc=$$?; rm -f $$json; exit $$rc
 
 clean:
 	rm -rf $(VENV) *.egg-info demo-metrics.jsonl demo.png

@@ -5,6 +5,7 @@ follows in a phase of its own. A call's time is the slowest rank's; each contend
 is reported. Turn-taking keeps a noisy machine's drifts from favouring one contender."""
 
 import argparse
+import sys
 import time
 
 import numpy as np
@@ -14,18 +15,19 @@ from mpi4py import MPI
 
 import hpcadapt
 from common import init_gloo, single_thread, write_result
+from launch import quick_defaults
 
 SIZES = {"4KB": 4 << 10, "1MB": 1 << 20, "16MB": 16 << 20, "64MB": 64 << 20}
 
 
-def turns(calls, comm, seconds):
+def turns(calls, comm, seconds, min_rounds):
     """Time each call alone, the contenders taking turns in a rotating order."""
     comm.Barrier()
     t0 = time.perf_counter()
     for fn in calls.values():
         fn()
     per_round = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-    rounds = int(max(15, min(3000, seconds / max(per_round, 1e-6))))
+    rounds = int(max(min_rounds, min(3000, seconds / max(per_round, 1e-6))))
     names = list(calls)
     times = {k: np.empty(rounds) for k in names}
     for i in range(rounds):
@@ -41,6 +43,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--seconds", type=float, default=6.0, help="budget per size, roughly")
+    ap.add_argument("--min-rounds", type=int, default=15, help="calls per contender, at least")
+    quick_defaults(ap, sys.argv[1:], seconds=0.5, min_rounds=5)
     args = ap.parse_args()
     single_thread()
     w = hpcadapt.init()
@@ -61,7 +65,7 @@ def main() -> None:
                   {"gloo": lambda: dist.all_reduce(t_gloo)}]
         times = {}
         for calls in phases:
-            times.update(turns(calls, raw, args.seconds / 2))
+            times.update(turns(calls, raw, args.seconds / 2, args.min_rounds))
         slowest = {k: np.maximum.reduce(raw.allgather(v)) for k, v in times.items()}
         rows[label] = {k: {"seconds": float(np.median(v)),
                            "GB_per_s": nbytes / float(np.median(v)) / 1e9, "calls": len(v)}

@@ -2,6 +2,7 @@
 data and per-rank batch, measured in alternating rounds in one run."""
 
 import argparse
+import sys
 import time
 
 import torch
@@ -13,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hpcadapt
 from hpcadapt.models import build_model, count_parameters
 from common import init_gloo, interleaved, median, single_thread, write_result
+from launch import quick_defaults
 
 MODELS = {
     # about 10M parameters: communication matters
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
+    quick_defaults(ap, sys.argv[1:], steps=3, rounds=2)
     args = ap.parse_args()
     single_thread()
     w = hpcadapt.init()

@@ -9,6 +9,7 @@ printed, nothing asserted. Run: ``mpiexec -n 2 python benchmarks/bench_pairavg.p
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -31,7 +32,16 @@ def main() -> None:
     model = [torch.full((args.params,), float(w.rank))]
     pairs = PairExchange(w, model)
     pairs.publish(model)
-    flag = comm.bcast(os.path.join(tempfile.mkdtemp(), "done") if w.rank == 0 else None)
+    folder = tempfile.mkdtemp(prefix="hpcadapt-pairavg-") if w.rank == 0 else None
+    try:
+        measure(args, w, comm, model, pairs, os.path.join(comm.bcast(folder), "done"))
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def measure(args, w, comm, model, pairs, flag: str) -> None:
+    """Fetch from a busy peer, publish, allreduce; rank 0 prints the medians."""
     comm.Barrier()
     fetch = []
     if w.rank == 0:

@@ -33,6 +33,8 @@ SMALL_BATCH, SMALL_LR = 32, 0.02
 # Steps over which the adaptive runs' learning rate follows a batch change. With 8, two of
 # three goodput runs diverged after a 32 -> 512 jump (lr x16 within 8 steps, early in training).
 ADAPTIVE_RAMP = 50
+# --quick: a fixed schedule (the schedule policy) and both adaptive policies, besides small
+QUICK_RUNS = ("b256-decay", "gns-batch", "goodput")
 
 
 def fixed(batch: int, lr: float) -> List[str]:
@@ -155,14 +157,18 @@ def run(name: str, extra: List[str]) -> dict:
     ap.add_argument("--only", default=None,
                     help="comma-separated labels to run (the small run is always included)")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 2,000 samples, 2 epochs, 1 repeat")
-    ap.add_argument("--plot", default="adaptive-batch.png", help="where to draw all runs")
+                    help="smoke run: 2,000 samples, 2 epochs, 1 repeat, runs "
+                         f"{','.join(QUICK_RUNS)} (unless --only), the plot in the "
+                         "temporary folder (unless --plot)")
+    ap.add_argument("--plot", default=None,
+                    help="where to draw all runs (default adaptive-batch.png)")
     ap.add_argument("--from-dir", default=None, metavar="DIR",
                     help="train nothing: analyse the metrics files a run left in DIR "
                          "(its metrics_dir), with the same --epochs, --samples and --repeats")
     args = ap.parse_args(extra)
     if args.quick:
         args.samples, args.epochs, args.repeats = 2000, 2, 1
+        args.only = args.only or ",".join(QUICK_RUNS)
     specs = runs(args.epochs)
     if args.only:
         keep = {"small"} | set(args.only.split(","))
@@ -171,6 +177,9 @@ def run(name: str, extra: List[str]) -> dict:
             raise SystemExit(f"--only: unknown runs {sorted(unknown)}; choose from {sorted(specs)}")
         specs = {k: v for k, v in specs.items() if k in keep}
     tmp = args.from_dir or tempfile.mkdtemp(prefix="hpcadapt-adaptive-")
+    if args.plot is None:
+        args.plot = (os.path.join(tmp, "adaptive-batch.png") if args.quick
+                     else "adaptive-batch.png")
     labels = list(specs)
     metrics: Dict[str, List[List[dict]]] = {k: [] for k in labels}
     started = time.perf_counter()

@@ -34,9 +34,10 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional
 
-from launch import ROOT, env, mpiexec
+from launch import ROOT, env, mpiexec, quick_defaults
 
 BIG = "4096,2560,1024"   # about 25.7M parameters on 3x32x32 inputs, as in driver_resize
+SMALL = "256,256"        # --quick
 
 
 class Tail:
@@ -105,13 +106,14 @@ def end_group(proc: subprocess.Popen) -> None:
 
 
 def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
-                      kill_rank: str, out: List[dict], label: str = "hpcadapt") -> None:
+                      kill_rank: str, out: List[dict], label: str = "hpcadapt",
+                      hidden: str = BIG) -> None:
     """One job, ``kills`` kills; each recovered kill is appended to ``out`` as it ends."""
     metrics = os.path.join(tmp, f"{label}.jsonl")
     stop = os.path.join(tmp, f"{label}.stop")
     err = os.path.join(tmp, f"{label}.stderr")
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "hpcadapt.train", "--model", "mlp",
-           "--hidden", BIG, "--dataset", "synthetic", "--synthetic-samples", "1024",
+           "--hidden", hidden, "--dataset", "synthetic", "--synthetic-samples", "1024",
            "--batch-size", "32", "--epochs", "100000", "--no-progress", "--threads", "1",
            "--max-workers", "4", "--policy", "resize-schedule", "--resize-schedule-steps", "3:4",
            "--replace-failed", "--metrics-file", metrics, "--stop-file", stop]
@@ -191,7 +193,7 @@ def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
 
 
 def hpcadapt_series(tmp: str, kills: int, timeout: float, settle_steps: int, kill_rank: str,
-                    max_crashes: int):
+                    max_crashes: int, hidden: str = BIG):
     """``kills`` recovered kills; with ``max_crashes`` > 0 a job that crashes or hangs on a
     kill is recorded and a fresh job takes over (else the benchmark fails at once)."""
     done: List[dict] = []
@@ -202,7 +204,7 @@ def hpcadapt_series(tmp: str, kills: int, timeout: float, settle_steps: int, kil
         out: List[dict] = []
         try:
             hpcadapt_failures(tmp, kills - len(done), timeout, settle_steps, kill_rank, out,
-                              label=f"hpcadapt-job{job}")
+                              label=f"hpcadapt-job{job}", hidden=hidden)
         except SystemExit as e:
             if len(crashes) >= max_crashes:
                 raise
@@ -217,14 +219,14 @@ def hpcadapt_series(tmp: str, kills: int, timeout: float, settle_steps: int, kil
 
 
 def torchrun_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
-                      save_every: int) -> List[dict]:
+                      save_every: int, hidden: str = BIG) -> List[dict]:
     log = os.path.join(tmp, "torchrun.jsonl")
     ckpt = os.path.join(tmp, "torchrun.ckpt")
     err = os.path.join(tmp, "torchrun.stderr")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--standalone", "--nproc-per-node=4", f"--max-restarts={kills + 2}",
            str(ROOT / "benchmarks" / "torchrun_worker.py"), "--step-log", log,
-           "--checkpoint", ckpt, "--hidden", BIG, "--steps", "1000000",
+           "--checkpoint", ckpt, "--hidden", hidden, "--steps", "1000000",
            "--save-every", str(save_every), "--log-pid", "--store-per-generation"]
     with open(err, "w", encoding="utf-8") as ferr:
         proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=ferr, stderr=subprocess.STDOUT,
@@ -302,13 +304,17 @@ def run(name, extra):
                          "benchmark)")
     ap.add_argument("--skip", choices=["hpcadapt", "torchrun"], default=None,
                     help="leave one side out (its ratios are n/a)")
+    ap.add_argument("--hidden", default=BIG, help=f"the MLP's hidden layers on both sides "
+                                                  f"(default {BIG}: 25.7M parameters)")
+    quick_defaults(ap, extra, kills=1, hidden=SMALL, timeout=120.0)
     args = ap.parse_args(extra)
     tmp = tempfile.mkdtemp(prefix="hpcadapt-failure-")
     print(f"failure benchmark: logs in {tmp}", flush=True)
     hp, crashes = ([], []) if args.skip == "hpcadapt" else hpcadapt_series(
-        tmp, args.kills, args.timeout, args.settle_steps, args.kill_rank, args.max_crashes)
+        tmp, args.kills, args.timeout, args.settle_steps, args.kill_rank, args.max_crashes,
+        args.hidden)
     tr = [] if args.skip == "torchrun" else torchrun_failures(
-        tmp, args.kills, args.timeout, args.settle_steps, args.save_every)
+        tmp, args.kills, args.timeout, args.settle_steps, args.save_every, args.hidden)
     rows: Dict[str, dict] = {}
     for n, r in enumerate(hp, 1):
         rows[f"hpcadapt kill {n}"] = r

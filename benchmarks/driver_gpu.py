@@ -28,7 +28,14 @@ overheads around the same model.
 
 No timed assertions: the numbers are reported, not judged. ``--device cpu`` is refused in
 one line; without a GPU, CuPy or NCCL the benchmark says what is missing and how to install
-it in one line and exits non-zero (``raise SystemExit(message)``: no traceback)."""
+it in one line and exits non-zero (``raise SystemExit(message)``: no traceback).
+
+``--quick``: an MLP of 1024,1024 hidden units (4.2M parameters), 1 warm-up step, 2 rounds
+of 2 steps at batch 16, allreduces of 1 and 4 MB, 2 repeats. Where no
+GPU is usable, ``--quick`` runs the same code on the CPU instead (hpcadapt's MPI data plane
+against DDP on gloo; host-staged against MPI's own allreduce of CPU tensors): it checks
+that the benchmark runs, and says so in its result (``"device": "cpu"``, ``"cpu_fallback"``:
+why); the ratios that need NCCL are n/a and the others measure the CPU, not a GPU."""
 
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ import time
 from typing import Callable, Dict, List
 
 from common import free_port, interleaved, median
+from launch import quick_defaults
 
 HIDDEN = [4096, 2560, 1024]
 INPUT_SHAPE = (3, 32, 32)
@@ -54,7 +62,13 @@ def parse_args(name: str, extra: List[str]) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds of every contender; medians are reported (5)")
     ap.add_argument("--batch-size", type=int, default=256, help="samples per step (256)")
+    ap.add_argument("--hidden", default=",".join(map(str, HIDDEN)),
+                    help="the MLP's hidden layers (4096,2560,1024: 25.7M parameters)")
+    ap.add_argument("--warmup", type=int, default=WARMUP_STEPS,
+                    help=f"untimed steps of each contender first ({WARMUP_STEPS})")
+    quick_defaults(ap, extra, steps=2, rounds=2, batch_size=16, hidden="1024,1024", warmup=1)
     args = ap.parse_args(extra)
+    args.hidden = [int(h) for h in args.hidden.split(",")]
     if args.device != "cuda":
         raise SystemExit(f"gpu benchmark: --device {args.device} is refused: it measures "
                          "a GPU (the CPU is measured by the ddp and allreduce benchmarks)")
@@ -78,11 +92,11 @@ def sync(torch, device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_mlp(torch, device):
+def build_mlp(torch, device, hidden: List[int] = HIDDEN):
     from hpcadapt.models import build_model
 
     torch.manual_seed(0)  # both contenders start from the same weights
-    return build_model("mlp", INPUT_SHAPE, CLASSES, hidden=HIDDEN).to(device)
+    return build_model("mlp", INPUT_SHAPE, CLASSES, hidden=hidden).to(device)
 
 
 def sgd(torch, model):
@@ -111,7 +125,8 @@ def samples_per_s(torch, device, step: Callable[[], None], steps: int, batch: in
 
 
 def training(torch, device, steps: int, rounds: int, batch: int, *, plane: str = "nccl",
-             backend: str = "nccl") -> Dict[str, List[float]]:
+             backend: str = "nccl", hidden: List[int] = HIDDEN,
+             warmup: int = WARMUP_STEPS) -> Dict[str, List[float]]:
     """samples/s per round of hpcadapt (noise-scale statistics off and on) and DDP.
 
     ``plane``/``backend``: hpcadapt's data plane and torch.distributed's backend (NCCL on
@@ -124,14 +139,14 @@ def training(torch, device, steps: int, rounds: int, batch: int, *, plane: str =
     x = torch.randn(batch, *INPUT_SHAPE, device=device)
     y = torch.randint(0, CLASSES, (batch,), device=device)
 
-    ours = build_mlp(torch, device)
+    ours = build_mlp(torch, device, hidden)
     opt = hpcadapt.DistributedOptimizer(sgd(torch, ours), ours.named_parameters(),
                                         data_plane=plane)
     ours_step = training_step(torch, ours, opt, x, y)
 
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1)
-    ddp = DistributedDataParallel(build_mlp(torch, device),
+    ddp = DistributedDataParallel(build_mlp(torch, device, hidden),
                                   device_ids=[device.index] if device.type == "cuda" else None)
     ddp_step = training_step(torch, ddp, sgd(torch, ddp), x, y)
 
@@ -145,7 +160,7 @@ def training(torch, device, steps: int, rounds: int, batch: int, *, plane: str =
                 "ddp": ddp_step}
     try:
         for step in steps_of.values():
-            for _ in range(WARMUP_STEPS):
+            for _ in range(warmup):
                 step()
         return interleaved({name: (lambda s=step: samples_per_s(torch, device, s, steps, batch))
                             for name, step in steps_of.items()}, rounds)
@@ -211,8 +226,52 @@ def ratios_of(train: Dict[str, float], bw_rows: Dict[str, Dict[str, float]]) -> 
     return ratios
 
 
+QUICK_SIZES_MB = [1, 4]
+QUICK_ALLREDUCE_REPEATS = 2
+
+
+def run_on_cpu(args, why: str) -> dict:
+    """--quick without a usable GPU: the same measurements of CPU tensors (hpcadapt's MPI
+    plane vs DDP on gloo; host-staged vs MPI's allreduce), NCCL's ratios n/a."""
+    import torch
+
+    import hpcadapt
+    from hpcadapt.cuda.staged import HostStagedCommunicator
+
+    print(f"gpu benchmark: no GPU ({why}): --quick runs its CPU fallback", flush=True)
+    hpcadapt.init()
+    device = torch.device("cpu")
+    per_round = training(torch, device, args.steps, args.rounds, args.batch_size,
+                         plane="mpi", backend="gloo", hidden=args.hidden, warmup=args.warmup)
+    train = {k: median(v) for k, v in per_round.items()}
+    paths = {"host_staged": HostStagedCommunicator(hpcadapt.communicator()),
+             "mpi": hpcadapt.communicator()}
+    bw_rows = bandwidth(torch, device, paths, QUICK_SIZES_MB, QUICK_ALLREDUCE_REPEATS)
+    paths["host_staged"].release()
+    ratios = {"hpcadapt_vs_torch_ddp_gpu": train["hpcadapt"] / train["ddp"],
+              "gpu_gns_every_step_throughput": train["hpcadapt_gns"] / train["hpcadapt"]}
+    ratios.update({f"nccl_vs_host_staged_allreduce_{mb}MB": None for mb in QUICK_SIZES_MB})
+    rows = {f"train {k} (cpu)": {"samples_per_s": v} for k, v in train.items()}
+    rows.update({f"{k} (cpu)": v for k, v in bw_rows.items()})
+    return {"benchmark": "gpu", "device": "cpu", "cpu_fallback": why, "rows": rows,
+            "ratios": ratios, "samples_per_s_per_round": per_round,
+            "versions": {"torch": torch.__version__},
+            "settings": {"world_size": 1, "model": "mlp", "hidden": args.hidden,
+                         "batch_size": args.batch_size, "steps": args.steps,
+                         "rounds": args.rounds, "warmup_steps": args.warmup,
+                         "sizes_mb": QUICK_SIZES_MB, "allreduce_repeats": QUICK_ALLREDUCE_REPEATS,
+                         "optimizer": "SGD momentum 0.9", "data_plane": "mpi",
+                         "ddp_backend": "gloo"}}
+
+
 def run(name, extra):
     args = parse_args(name, extra)
+    if args.quick:
+        from hpcadapt.cuda.device import gpu_problems
+
+        problems = gpu_problems()
+        if problems:
+            return run_on_cpu(args, "; ".join(problems))
     require_gpu()
     import torch
 
@@ -221,22 +280,25 @@ def run(name, extra):
     hpcadapt.init()
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    per_round = training(torch, device, args.steps, args.rounds, args.batch_size)
+    per_round = training(torch, device, args.steps, args.rounds, args.batch_size,
+                         hidden=args.hidden, warmup=args.warmup)
     train = {k: median(v) for k, v in per_round.items()}
 
     paths = gpu_allreduce_paths(torch, device)
-    bw_rows = bandwidth(torch, device, paths)
+    sizes, repeats = ((QUICK_SIZES_MB, QUICK_ALLREDUCE_REPEATS) if args.quick
+                      else (SIZES_MB, ALLREDUCE_REPEATS))
+    bw_rows = bandwidth(torch, device, paths, sizes, repeats)
     paths["nccl"].destroy()
     paths["host_staged"].release()
 
     rows = {f"train {k}": {"samples_per_s": v} for k, v in train.items()}
     rows.update(bw_rows)
-    model_params = sum(p.numel() for p in build_mlp(torch, "cpu").parameters())
+    model_params = sum(p.numel() for p in build_mlp(torch, "cpu", args.hidden).parameters())
     return {"benchmark": "gpu", "rows": rows, "ratios": ratios_of(train, bw_rows),
             "samples_per_s_per_round": per_round,
             "gpu": torch.cuda.get_device_name(0), "versions": versions(torch),
-            "settings": {"world_size": 1, "model": "mlp", "hidden": HIDDEN,
+            "settings": {"world_size": 1, "model": "mlp", "hidden": args.hidden,
                          "parameters": model_params, "batch_size": args.batch_size,
                          "steps": args.steps, "rounds": args.rounds,
-                         "warmup_steps": WARMUP_STEPS, "sizes_mb": SIZES_MB,
-                         "allreduce_repeats": ALLREDUCE_REPEATS, "optimizer": "SGD momentum 0.9"}}
+                         "warmup_steps": args.warmup, "sizes_mb": sizes,
+                         "allreduce_repeats": repeats, "optimizer": "SGD momentum 0.9"}}

@@ -24,16 +24,33 @@ from launch import ROOT, env, mpiexec, run_mpi
 
 BIG = "4096,2560,1024"   # about 25.7M parameters on 3x32x32 inputs
 SMALL = "256,256"
+# --quick: the small MLP's steps take about a millisecond: the warm spare's start-up spans
+# thousands of them
+QUICK_SPARE_GROW_AT = 3000
+QUICK_TORCHRUN_STEPS = 1000
 
 
-def hpcadapt_pauses(hidden, tmp, label, max_steps):
+def mlp_parameters(hidden: str, inputs: int = 3 * 32 * 32, classes: int = 10) -> int:
+    """Weights and biases of the built-in MLP with these hidden layers."""
+    sizes = [inputs] + [int(h) for h in hidden.split(",")] + [classes]
+    return sum(a * b + b for a, b in zip(sizes, sizes[1:]))
+
+
+def hpcadapt_pauses(hidden, tmp, label, max_steps, *, stop_when_done=False):
+    """The pauses of the schedule's resizes. ``stop_when_done`` (--quick): the job is
+    stopped (its --stop-file) once the last resize, 2 -> 1, is in the metrics file, instead
+    of training on to ``max_steps``."""
     metrics = os.path.join(tmp, f"hpcadapt-{label}.jsonl")
-    run_mpi(1, ["-m", "hpcadapt.train", "--model", "mlp", "--hidden", hidden,
-                "--dataset", "synthetic", "--synthetic-samples", "1024", "--batch-size", "32",
-                "--epochs", "100000", "--max-steps", str(max_steps), "--no-progress",
-                "--threads", "1",
-                "--max-workers", "4", "--policy", "resize-schedule",
-                "--resize-schedule-steps", "3:2,40:4,80:2,100:1", "--metrics-file", metrics])
+    args = ["-m", "hpcadapt.train", "--model", "mlp", "--hidden", hidden,
+            "--dataset", "synthetic", "--synthetic-samples", "1024", "--batch-size", "32",
+            "--epochs", "100000", "--max-steps", str(max_steps), "--no-progress",
+            "--threads", "1",
+            "--max-workers", "4", "--policy", "resize-schedule",
+            "--resize-schedule-steps", "3:2,40:4,80:2,100:1", "--metrics-file", metrics]
+    if stop_when_done:
+        run_until_resized(args, metrics, os.path.join(tmp, f"hpcadapt-{label}.stop"), 2, 1)
+    else:
+        run_mpi(1, args)
     with open(metrics) as f:
         rows = [json.loads(line) for line in f]
     out = {}
@@ -42,6 +59,29 @@ def hpcadapt_pauses(hidden, tmp, label, max_steps):
             out[f"{r['old_size']}->{r['new_size']}"] = {
                 "pause_s": r["pause_s"], "decision_to_first_step_s": r["decision_to_first_step_s"]}
     return out
+
+
+def run_until_resized(args, metrics, stop, old_size, new_size, timeout=600.0):
+    """Run the entry point (``args``) on 1 rank until its metrics file shows the resize
+    ``old_size -> new_size``, then stop it through ``stop`` (its --stop-file)."""
+    from driver_failure import Tail, end_group, wait_for
+
+    proc = subprocess.Popen([mpiexec(), "-n", "1", sys.executable] + args
+                            + ["--stop-file", stop], env=env(), cwd=ROOT,
+                            start_new_session=True)
+    try:
+        wait_for(Tail(metrics), 0, lambda r: r.get("event") == "resize" and r.get("ok")
+                 and (r["old_size"], r["new_size"]) == (old_size, new_size),
+                 f"the resize {old_size}->{new_size}", timeout,
+                 lambda: None if proc.poll() is None else f"the job ended (exit {proc.returncode})")
+        with open(stop, "w"):
+            pass
+        rc = proc.wait(timeout=timeout)
+        if rc != 0:
+            raise SystemExit(f"resize benchmark: the job ended with exit {rc} after its stop "
+                             f"file")
+    finally:
+        end_group(proc)
 
 
 def hpcadapt_warm_spare(hidden, tmp, grow_at=60):
@@ -96,7 +136,7 @@ def plain_broadcast_s(nbytes):
     return float(proc.stdout.split()[-1])
 
 
-def torchrun_restart(hidden, tmp):
+def torchrun_restart(hidden, tmp, steps=40):
     """torchrun with 1 worker trains and checkpoints; the membership changes to 2 workers:
     the job is stopped and torchrun starts 2 workers, which reload the checkpoint (what
     torch.distributed.elastic does on a membership change: stop every worker, rendezvous,
@@ -110,7 +150,8 @@ def torchrun_restart(hidden, tmp):
         return subprocess.Popen(
             [torchrun, "--standalone", f"--nproc-per-node={nproc}",
              str(ROOT / "benchmarks" / "torchrun_worker.py"), "--step-log", log,
-             "--checkpoint", ckpt, "--hidden", hidden, "--steps", "40", "--save-every", "5"],
+             "--checkpoint", ckpt, "--hidden", hidden, "--steps", str(steps),
+             "--save-every", "5"],
             env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def rows():
@@ -119,18 +160,30 @@ def torchrun_restart(hidden, tmp):
         with open(log) as f:  # the workers are writing it: complete lines only
             return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
-    first = agent(1)
-    deadline = time.time() + 600
-    # stop once the checkpoint of step 15 is on disk (written after step 15's log line)
-    while not any(r["step"] == 16 for r in rows()):
-        if first.poll() is not None or time.time() > deadline:
-            raise SystemExit("torchrun with 1 worker did not reach step 16")
-        time.sleep(0.05)
-    changed_at = time.time()
-    first.terminate()
-    first.wait(timeout=120)
-    second = agent(2)
-    second.wait(timeout=900)
+    agents = []
+    try:
+        first = agent(1)
+        agents.append(first)
+        deadline = time.time() + 600
+        # stop once the checkpoint of step 15 is on disk (written after step 15's log line)
+        while not any(r["step"] == 16 for r in rows()):
+            if first.poll() is not None or time.time() > deadline:
+                raise SystemExit("torchrun with 1 worker did not reach step 16")
+            time.sleep(0.05)
+        changed_at = time.time()
+        first.terminate()
+        first.wait(timeout=120)
+        second = agent(2)
+        agents.append(second)
+        second.wait(timeout=900)
+    finally:  # an agent stops its workers on SIGTERM
+        for a in agents:
+            if a.poll() is None:
+                a.terminate()
+                try:
+                    a.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    a.kill()
     r = rows()
     old = [x for x in r if x["world"] == 1]
     new = [x for x in r if x["world"] == 2]
@@ -145,21 +198,40 @@ def torchrun_restart(hidden, tmp):
 
 def run(name, extra):
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
-    ap.parse_args(extra)
+    ap.add_argument("--quick", action="store_true",
+                    help="the small MLP only (for the pauses, the warm spare, the broadcast "
+                         f"and torchrun), torchrun to step {QUICK_TORCHRUN_STEPS}")
+    args = ap.parse_args(extra)
     tmp = tempfile.mkdtemp(prefix="hpcadapt-resize-")
-    big = hpcadapt_pauses(BIG, tmp, "25M", 400)
-    small = hpcadapt_pauses(SMALL, tmp, "small", 30000)  # fast steps: joiners need many
-    spare = hpcadapt_warm_spare(BIG, tmp)
+    if args.quick:
+        label, hidden = "small", SMALL
+        big = hpcadapt_pauses(SMALL, tmp, "small", 30000, stop_when_done=True)
+        small = {}
+        spare = hpcadapt_warm_spare(SMALL, tmp, grow_at=QUICK_SPARE_GROW_AT)
+        # the small MLP's steps are fast: the 1-worker agent must not reach the end (and
+        # checkpoint it) before it is stopped after step 16
+        tr = torchrun_restart(SMALL, tmp, steps=QUICK_TORCHRUN_STEPS)
+    else:
+        label, hidden = "25M", BIG
+        big = hpcadapt_pauses(BIG, tmp, "25M", 400)
+        small = hpcadapt_pauses(SMALL, tmp, "small", 30000)  # fast steps: joiners need many
+        spare = hpcadapt_warm_spare(BIG, tmp)
+        tr = None
     # the state a joiner receives: the parameters and SGD's momentum, float32
-    params = 3 * 32 * 32 * 4096 + 4096 * 2560 + 2560 * 1024 + 1024 * 10 + 4096 + 2560 + 1024 + 10
+    params = mlp_parameters(hidden)
     bcast = plain_broadcast_s(2 * 4 * params)
-    tr = torchrun_restart(BIG, tmp)
-    rows = {f"25M {k}": v for k, v in big.items()}
+    if tr is None:
+        tr = torchrun_restart(BIG, tmp)
+    missing = [k for k in ("1->2", "2->4", "2->1") if k not in big]
+    if missing:
+        raise SystemExit(f"resize benchmark: the {label} run made no resize {missing} "
+                         f"(made: {sorted(big)}); joiners slower than its --max-steps")
+    rows = {f"{label} {k}": v for k, v in big.items()}
     rows.update({f"small {k}": v for k, v in small.items()})
-    rows["torchrun 25M 1->2"] = tr
-    rows["25M 1->2 warm spare"] = spare
-    rows["plain broadcast of the 25M state (2 ranks)"] = {"seconds": bcast,
-                                                          "bytes": 2 * 4 * params}
+    rows[f"torchrun {label} 1->2"] = tr
+    rows[f"{label} 1->2 warm spare"] = spare
+    rows[f"plain broadcast of the {label} state (2 ranks)"] = {"seconds": bcast,
+                                                              "bytes": 2 * 4 * params}
     out_pause = big["1->2"]["pause_s"]
     return {"benchmark": "resize", "rows": rows, "ratios": {
         "scale_out_pause_s": out_pause,

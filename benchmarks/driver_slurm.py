@@ -22,11 +22,33 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch import ROOT
+from launch import ROOT, Skipped, quick_defaults
 
 sys.path.insert(0, str(ROOT))
 
 TRAIN = str(ROOT / "slurm" / "train.sbatch")
+SUBMITTED = []   # this run's job ids: cancelled (with their companions) if the run fails
+
+
+def _submit(*args, **kwargs) -> str:
+    from hpcadapt.slurm.testcluster.watch import submit
+
+    job = submit(*args, **kwargs)
+    SUBMITTED.append(job)
+    return job
+
+
+def cancel_submitted() -> None:
+    """scancel this run's jobs and their companion jobs (``hpcadapt-join-JOB``) that are
+    still queued or running: after a failure or an interruption, nothing is left behind."""
+    from hpcadapt.slurm.commands import SlurmCommandError, run_slurm
+
+    for job in SUBMITTED:
+        for target in ([job], ["--name", f"hpcadapt-join-{job}"]):
+            try:
+                run_slurm(["scancel"] + target)
+            except SlurmCommandError:
+                pass
 
 
 def _env(**extra):
@@ -46,21 +68,24 @@ def _hostnames(nodelist: str) -> set:
     return set(show_hostnames(nodelist))
 
 
-def grow_and_release(folder: Path, mode: str) -> dict:
-    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+def grow_and_release(folder: Path, mode: str, epochs: int = 40) -> dict:
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
 
     folder.mkdir(parents=True)
-    args = ["--epochs", "40", "--policy", "resize-schedule", "--resize-schedule-steps",
+    args = ["--epochs", str(epochs), "--policy", "resize-schedule", "--resize-schedule-steps",
             "5:3,10:1", "--resize-schedule-hold", "100", "--metrics-file", "m.jsonl",
             "--slurm-grow", mode]
     with JobWatcher(interval=0.1) as watch:
-        job = submit(TRAIN, args, env=_env(MAX_NODES=3), cwd=str(folder))
+        job = _submit(TRAIN, args, env=_env(MAX_NODES=3), cwd=str(folder))
         final = watch.wait_until_gone(job, 600)
     if final.state != "COMPLETED":
         raise RuntimeError(f"job {job} ended {final.state}; see {folder}")
     rows = [r for r in _records(folder / "m.jsonl") if r.get("event") == "resize" and r["ok"]]
-    grow = next(r for r in rows if (r["old_size"], r["new_size"]) == (1, 3))
-    shrink = next(r for r in rows if (r["old_size"], r["new_size"]) == (3, 1))
+    made = {(r["old_size"], r["new_size"]): r for r in rows}
+    if (1, 3) not in made or (3, 1) not in made:
+        raise RuntimeError(f"job {job} ({mode}) did not grow 1 -> 3 and shrink 3 -> 1 in "
+                           f"{epochs} epochs (resizes: {sorted(made)}); see {folder}")
+    grow, shrink = made[(1, 3)], made[(3, 1)]
     main_lists = {o.jobs[job].nodes for o in watch.observations
                   if job in o.jobs and o.jobs[job].nodes}
     main_nodes = _hostnames(min(main_lists, key=lambda n: len(_hostnames(n))))
@@ -80,46 +105,73 @@ def grow_and_release(folder: Path, mode: str) -> dict:
 
 
 def resubmit_restart(folder: Path) -> dict:
+    """The first job trains until signalled (it once ended its 40 epochs of fast steps
+    before the signal, and the 3-node job then had nothing left to train); the 3-node job
+    resumes and stops 20 steps later (--max-steps)."""
     from hpcadapt.slurm.commands import run_slurm
-    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
 
     folder.mkdir(parents=True)
     ckpt = str(folder / "state.ckpt")
-    args = ["--epochs", "40", "--metrics-file", "m.jsonl"]
-    first = submit(TRAIN, args, env=_env(CHECKPOINT=ckpt), cwd=str(folder),
+    args = ["--epochs", "100000", "--metrics-file", "m.jsonl"]
+    first = _submit(TRAIN, args, env=_env(CHECKPOINT=ckpt), cwd=str(folder),
                    sbatch_options=["--no-requeue"])
     metrics = folder / "m.jsonl"
+    deadline = time.time() + 600
     while not (metrics.exists() and metrics.read_text().count('"event": "step"') >= 20):
+        if time.time() > deadline:
+            raise RuntimeError(f"job {first} trained no 20 steps in 600 s; see {folder}")
         time.sleep(0.1)
     signalled = time.time()
     run_slurm(["scancel", "--signal=USR1", first])
     watcher = JobWatcher()
     watcher.wait_until_gone(first, 300)
-    second = submit(TRAIN, args, env=_env(CHECKPOINT=ckpt, MIN_NODES=3), cwd=str(folder),
+    last = max(r["step"] for r in _records(metrics) if r.get("event") == "step")
+    second = _submit(TRAIN, args + ["--max-steps", str(last + 20)], env=_env(CHECKPOINT=ckpt, MIN_NODES=3), cwd=str(folder),
                     sbatch_options=["--nodes=3"])
     watcher.wait_until_gone(second, 600)
     steps = [r for r in _records(metrics) if r.get("event") == "step"]
-    first_after = next(r for r in steps if r["unix_time"] > signalled and r["world_size"] == 3)
+    after = [r for r in steps if r["unix_time"] > signalled and r["world_size"] == 3]
+    if not after:
+        raise RuntimeError(f"the 3-node job {second} trained no step; see {folder}")
+    first_after = after[0]
     return {"resubmit_restart_s": first_after["unix_time"] - signalled}
 
 
 def run(name, extra):
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=40,
+                    help="epochs of the grow-and-release jobs (45 steps each: the grow, "
+                         "which the job trains through for seconds, 100 steps on 3 nodes and "
+                         "the shrink must fit)")
+    quick_defaults(ap, extra, repeats=1, epochs=20)  # 10 were too few once
     args = ap.parse_args(extra)
-    from hpcadapt.slurm.testcluster.cluster import TestCluster
+    from hpcadapt.slurm.testcluster.cluster import ClusterError, TestCluster, ensure_packages
 
     cluster = TestCluster()
     started = not cluster.running()
     if started:
+        if os.geteuid() != 0:   # as the tests do: without root, Slurm must be there already
+            try:
+                ensure_packages()
+            except ClusterError as e:
+                raise Skipped(f"no Slurm test cluster possible here: {e}") from None
         cluster.up()
     os.environ["SLURM_CONF"] = str(cluster.slurm_conf)
     tmp = Path(tempfile.mkdtemp(prefix="hpcadapt-slurm-bench-"))
+    SUBMITTED.clear()
+    ok = False
     try:
-        runs = [grow_and_release(tmp / f"grow-{i}", "companion") for i in range(args.repeats)]
-        expand = [grow_and_release(tmp / f"expand-{i}", "expand") for i in range(args.repeats)]
+        runs = [grow_and_release(tmp / f"grow-{i}", "companion", args.epochs)
+                for i in range(args.repeats)]
+        expand = [grow_and_release(tmp / f"expand-{i}", "expand", args.epochs)
+                  for i in range(args.repeats)]
         base = resubmit_restart(tmp / "resubmit")
+        ok = True
     finally:
+        if not ok:
+            cancel_submitted()
         if started:
             cluster.down()
     rows = {f"companion #{i + 1}": r for i, r in enumerate(runs)}

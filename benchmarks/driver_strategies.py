@@ -117,20 +117,25 @@ def launch(ranks: int, args: List[str], summary: str, log: str, *, timeout: floa
                                 stdout=out, stderr=subprocess.STDOUT)
     seen: Optional[float] = None
     ended = "exit"
-    while proc.poll() is None:
-        now = time.monotonic()
-        if seen is None and os.path.exists(summary):
-            seen = now
-        if (seen is not None and now - seen > GRACE_S) or now - started > timeout:
-            ended = "stopped_after_summary" if seen is not None else "timeout"
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            break
-        time.sleep(0.2)
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            if seen is None and os.path.exists(summary):
+                seen = now
+            if (seen is not None and now - seen > GRACE_S) or now - started > timeout:
+                ended = "stopped_after_summary" if seen is not None else "timeout"
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                break
+            time.sleep(0.2)
+    except BaseException:  # Ctrl-C or SIGTERM to the runner: the launch's session goes too
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     if ended == "exit" and proc.returncode != 0:
         ended = f"exit {proc.returncode}"
     return {"ended": ended, "launch_s": time.monotonic() - started,

@@ -46,6 +46,7 @@ def parse_sizes(text: str) -> Dict[str, int]:
 def parse_args(name: str, extra: List[str]) -> argparse.Namespace:
     from hpcadapt.errors import ConfigurationError
     from hpcadapt.topology import parse_ranks_per_node
+    from launch import quick_defaults
 
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)  # the worker's result file
@@ -55,6 +56,7 @@ def parse_args(name: str, extra: List[str]) -> argparse.Namespace:
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"array sizes ({DEFAULT_SIZES})")
     ap.add_argument("--seconds", type=float, default=3.0,
                     help="time budget per size, roughly (3)")
+    quick_defaults(ap, extra, sizes="4KB,1MB,16MB", seconds=0.2)
     args = ap.parse_args(extra)
     if args.ranks < 2:
         raise SystemExit(f"topology benchmark: --ranks {args.ranks}: needs at least 2")

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from launch import HERE, ROOT, env, mpiexec, run_worker
+from launch import HERE, ROOT, env, mpiexec, quick_defaults, run_worker
 
 def read(path):
     with open(path, encoding="utf-8") as f:
@@ -96,6 +96,7 @@ def run(name, extra):
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--separate", action="store_true",
                     help="launch every run on its own (mpiexec per run) instead of in one launch")
+    quick_defaults(ap, extra, epochs=1, reps=3)
     args = ap.parse_args(extra)
     load_before = os.getloadavg()[0]
     if args.separate:
