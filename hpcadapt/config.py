@@ -7,6 +7,8 @@ import re
 from typing import Optional
 
 __all__ = [
+    "launch_rank",
+    "launch_size",
     "bucket_bytes",
     "check_collectives",
     "log_level",
@@ -17,6 +19,30 @@ __all__ = [
 
 _DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+
+
+# What the launchers (MPICH's Hydra, Open MPI, PMIx, Slurm) tell each process, before MPI.
+_RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+
+def _first_int(names) -> Optional[int]:
+    for name in names:
+        text = os.environ.get(name, "")
+        if text.isdigit():
+            return int(text)
+    return None
+
+
+def launch_rank() -> Optional[int]:
+    """This process's rank in its launch (mpiexec/srun), read without starting MPI; None
+    when no launcher says."""
+    return _first_int(_RANK_VARIABLES)
+
+
+def launch_size() -> Optional[int]:
+    """The number of processes of this launch, as the launcher says (None: no launcher)."""
+    return _first_int(_SIZE_VARIABLES)
 
 
 def bucket_bytes() -> int:

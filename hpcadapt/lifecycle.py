@@ -13,33 +13,16 @@ import sys
 import traceback
 from typing import Callable, Optional, Tuple
 
-__all__ = ["install_abort_on_exception", "set_failure_handler", "launch_rank",
-           "is_first_rank"]
+from . import config
 
-# What the launchers (MPICH's Hydra, Open MPI, PMIx, Slurm) tell each process, before MPI.
-_RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
-_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+__all__ = ["install_abort_on_exception", "set_failure_handler", "is_first_rank"]
 
 _failure_handler: Optional[Callable[[BaseException], None]] = None
 
 
-def _first_int(names: Tuple[str, ...]) -> Optional[int]:
-    for name in names:
-        text = os.environ.get(name, "")
-        if text.isdigit():
-            return int(text)
-    return None
-
-
-def launch_rank() -> Optional[int]:
-    """This process's rank in its launch (mpiexec/srun), read without starting MPI; None
-    when no launcher says."""
-    return _first_int(_RANK_VARIABLES)
-
-
 def is_first_rank() -> bool:
     """Whether this process speaks for its launch (rank 0, or no launcher)."""
-    return launch_rank() in (None, 0)
+    return config.launch_rank() in (None, 0)
 
 
 def set_failure_handler(handler: Optional[Callable[[BaseException], None]]) -> None:
@@ -60,7 +43,7 @@ def _where() -> Tuple[int, int, object]:
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size(), mpi.COMM_WORLD
     # No launcher variable: a single process, rank 0 of 1.
-    return (launch_rank() or 0), (_first_int(_SIZE_VARIABLES) or 1), None
+    return (config.launch_rank() or 0), (config.launch_size() or 1), None
 
 
 def _end_children() -> None:

@@ -7,7 +7,8 @@ import sys
 from typing import Callable, Optional
 
 from . import config
-from .lifecycle import is_first_rank, launch_rank
+from .config import launch_rank
+from .lifecycle import is_first_rank
 
 __all__ = ["setup_logging"]
 

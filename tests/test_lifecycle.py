@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from hpcadapt import lifecycle
+from hpcadapt import config, lifecycle
 
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID",
                       "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -30,7 +30,7 @@ def test_the_launch_rank_is_read_from_the_launcher_without_mpi(monkeypatch, vari
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    assert lifecycle.launch_rank() == rank
+    assert config.launch_rank() == rank
     assert lifecycle.is_first_rank() == (rank in (None, 0))
 
 
