@@ -636,11 +636,16 @@ class Job:
             if not going_on:
                 break
 
-    def _keep_in_flight(self) -> None:
-        """At a step's (round's) start: what it may change, for a recovery to undo."""
+    def _keep_in_flight(self, batches: int) -> None:
+        """At a step's (round's) start: what it may change, for a recovery to undo. The
+        user's state and the param groups only when the loop body runs more than once
+        before the step commits (micro-batches, a round's batches): with one batch, the
+        body after the failed ``job.step`` has not run when the recovery restores, and
+        ``_undo_at_next_batch`` covers it (no copy of an EMA model every step)."""
         if self._recoverable:
             self._in_flight = StepCommit.take(self.state.step, self.extra,
-                                              self.optimizer.optimizer, self.model)
+                                              self.optimizer.optimizer, self.model,
+                                              user=batches > 1)
 
     def _undo_user_code_of_given_up_step(self) -> None:
         """The loop's next batch after a recovery inside ``job.step``: whatever the user's
@@ -687,16 +692,17 @@ class Job:
         o = self.options
         self._t_step = time.perf_counter()
         self._follow_ramp()
-        self._keep_in_flight()
+        part = st.sampler.peek(st.hyper.batch_size, self.world.rank, self.world.size)
+        micro = split_micro(part.indices, o.max_local_batch)
+        # before a loader restart (its workers' seeds) and forward (buffers) use the RNG
+        self._keep_in_flight(len(micro))
         key = WalkKey(st.epoch, st.hyper.batch_size, self.world.rank, self.world.size,
                       o.max_local_batch)
         if key != self._walk or self._walk_cursor != st.sampler.cursor:
             self.loader.restart(key, st.sampler.cursor)
             self._walk = key
-        part = st.sampler.peek(st.hyper.batch_size, self.world.rank, self.world.size)
         self._walk_cursor = st.sampler.cursor + part.global_count
         self._part = part
-        micro = split_micro(part.indices, o.max_local_batch)
         opt = self.optimizer
         self.monitored = self.monitor_cfg.enabled and (st.step + 1) % self.monitor_cfg.interval == 0
         opt.track_grad_norms = self.monitored and self.world.size > 1
@@ -738,7 +744,7 @@ class Job:
         self._t_step = time.perf_counter()
         self.monitored = False
         self._follow_ramp()
-        self._keep_in_flight()
+        self._keep_in_flight(batches=2)  # a worker's batches in a round: the body runs often
         count = min(strategy.round_steps * batch, st.sampler.remaining)
         if o.max_steps is not None:  # the round ends where --max-steps does
             count = min(count, max(1, o.max_steps - st.step) * batch)

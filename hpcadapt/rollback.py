@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -32,25 +32,28 @@ class StepCommit:
     """The state a step may change before it commits, as of the step's start."""
 
     step: int
-    user: Dict[str, Any]
-    groups: List[Dict[str, Any]]
+    user: Optional[Dict[str, Any]]            # None: not kept (the user's code has not run)
+    groups: Optional[List[Dict[str, Any]]]
     buffers: List[torch.Tensor]
     rng: torch.Tensor
 
     @classmethod
     def take(cls, step: int, user_state, optimizer: torch.optim.Optimizer,
-             model: nn.Module) -> "StepCommit":
-        """Copies, not references: the step goes on changing the originals."""
-        return cls(step=step, user=copy.deepcopy(user_state.state_dict()),
-                   groups=_group_values(optimizer),
+             model: nn.Module, *, user: bool = True) -> "StepCommit":
+        """Copies, not references: the step goes on changing the originals. ``user=False``
+        keeps only what the step itself changes (buffers, RNG), not what the user's code
+        between batches may (the user's state, the param groups' settings)."""
+        return cls(step=step, user=copy.deepcopy(user_state.state_dict()) if user else None,
+                   groups=_group_values(optimizer) if user else None,
                    buffers=[b.detach().clone() for b in model.buffers()],
                    rng=torch.get_rng_state())
 
     def restore(self, user_state, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         """Put everything back as it was when the step began (in place, so that references
         the user holds to the objects stay valid)."""
-        user_state.load_state_dict(copy.deepcopy(self.user))
-        for group, values in zip(optimizer.param_groups, self.groups):
+        if self.user is not None:
+            user_state.load_state_dict(copy.deepcopy(self.user))
+        for group, values in zip(optimizer.param_groups, self.groups or []):
             group.update(copy.deepcopy(values))
         with torch.no_grad():
             for buf, saved in zip(model.buffers(), self.buffers):

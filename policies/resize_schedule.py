@@ -42,7 +42,11 @@ class ResizeSchedule(Policy):
         self.next += 1
         if size == snap.world_size:
             return None
-        return Decision(reason=f"scheduled at step {at}: {snap.world_size} -> {size} workers",
+        # say when it applies, and why later than scheduled (a hold, a grow still pending)
+        when = f"scheduled at step {at}" if snap.step == at else (
+            f"scheduled at step {at}, applied at step {snap.step} (after the previous "
+            f"resize's hold of {self.hold} steps or its grow)")
+        return Decision(reason=f"{when}: {snap.world_size} -> {size} workers",
                         world_size=size, policy=self.name,
                         metrics={"step": float(snap.step), "world_size": float(snap.world_size)})
 

@@ -296,7 +296,15 @@ def test_resize_schedule_waits_for_a_pending_grow_and_keeps_order():
     assert p.after_step(snap(step=19, world_size=2)) is None
     assert p.after_step(snap(step=20, world_size=2)).world_size == 4
     assert p.after_step(snap(step=45, world_size=2, resizing=True)) is None
-    assert p.after_step(snap(step=46, world_size=4)).world_size == 1
+    late = p.after_step(snap(step=46, world_size=4))
+    assert late.world_size == 1
+    # it says when it applied, not only when it was scheduled
+    assert late.reason.startswith("scheduled at step 40, applied at step 46")
+
+
+def test_resize_schedule_on_time_says_so():
+    p = ResizeSchedule(steps=[(5, 2)])
+    assert p.after_step(snap(step=5, world_size=1)).reason == "scheduled at step 5: 1 -> 2 workers"
 
 
 def test_scaling_efficiency():

@@ -56,8 +56,13 @@ def _results(out, ranks):
 
 
 @pytest.mark.timeout(600)
-def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_path):
-    proc, out, metrics = _launch(tmp_path, "failure", [])
+@pytest.mark.parametrize("cap", [None, 8])
+def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_path, cap):
+    """cap 8: each rank's 16 samples a step in two micro-batches, so the loop body runs
+    twice a step and once already before the step's exchange can fail."""
+    flags = ["--max-local-batch", str(cap)] if cap else []
+    per_step = 2 if cap else 1
+    proc, out, metrics = _launch(tmp_path, "failure", flags)
 
     def joined():
         return [r for r in complete_rows(metrics)
@@ -82,17 +87,17 @@ def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_
     steps = got[0]["step_count"]
     for r in got:
         assert r["size"] == 2
-        # the user's code ran once per committed step, as far as the job can see
-        assert r["updates"] == r["last_epoch"] == r["step_count"] == steps, r
-        # a plain local variable is not the job's to undo: one more run of the body
-        # for the step that was given up (on a rank that was inside that step)
-        assert r["body_runs"] in (steps, steps + 1), r
+        # the user's code ran once per committed batch, as far as the job can see
+        assert r["updates"] == r["last_epoch"] == r["step_count"] * per_step == steps * per_step
+        # a plain local variable is not the job's to undo: the body's runs for the step
+        # that was given up stay counted (on a rank that was inside that step)
+        assert steps * per_step <= r["body_runs"] <= (steps + 1) * per_step, r
     assert got[0]["ema"] == got[1]["ema"]  # its buffers follow the model's, broadcast
     assert got[0]["params"] == got[1]["params"]
     assert got[0]["buffers"] == got[1]["buffers"]
 
     # The same sizes without a failure: 3 workers, then 2 from the step given up.
-    proc2, out2, metrics2 = _launch(tmp_path, "planned", [
+    proc2, out2, metrics2 = _launch(tmp_path, "planned", flags + [
         "--policy", "resize-schedule", "--resize-schedule-steps", f"{given_up_at}:2"])
     assert proc2.wait(timeout=300) == 0, (out2 / "err").read_text()[-3000:]
     shrink = [r for r in complete_rows(metrics2) if r.get("event") == "resize"

@@ -38,7 +38,7 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = hpcadapt.ElasticDataLoader(torch.utils.data.TensorDataset(data.x_train,
                                                                        data.y_train), 48)
-    total = args.epochs * len(loader)
+    total = args.epochs * -(-len(loader) // 48)  # steps (len: the samples)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
     ema = torch.optim.swa_utils.AveragedModel(
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
