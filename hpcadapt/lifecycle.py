@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 from typing import Callable, Optional, Tuple
 
@@ -18,6 +19,7 @@ from . import config
 __all__ = ["install_abort_on_exception", "set_failure_handler", "is_first_rank"]
 
 _failure_handler: Optional[Callable[[BaseException], None]] = None
+_ABORT_GRACE_S = 10.0  # how long MPI_Abort may take before the process ends itself
 
 
 def is_first_rank() -> bool:
@@ -90,6 +92,12 @@ def _hook(kind, value, tb) -> None:
     _report(kind, value, tb, rank, size, ours, together)
     code = 2 if ours else 1
     _end_children()
+    # MPI_Abort (and the clean Finalize of a shared verdict) normally ends the process at
+    # once; should either not return (seen once in a CI-style run: the job hung 300 s with
+    # loader workers), the process still ends, and its launcher then ends the others.
+    timer = threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
     try:
         if comm is not None and together:
             from . import runtime

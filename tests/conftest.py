@@ -62,8 +62,15 @@ def run_mpi(n: int, args: List[str], *, timeout: float = 300, env: Optional[dict
     cmd = [mpiexec(), "-n", str(n), sys.executable] + args
     full_env = dict(os.environ)
     full_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # what it printed says where it hung
+        def text(b):
+            return (b.decode(errors="replace") if isinstance(b, bytes) else b or "")[-4000:]
+
+        raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s:\n"
+                             f"{text(exc.stdout)}\n{text(exc.stderr)}") from None
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
