@@ -58,10 +58,9 @@ def _results(out, ranks):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cap", [None, 8])
 def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_path, cap):
-    """cap 8: each rank's 16 samples a step in two micro-batches, so the loop body runs
-    twice a step and once already before the step's exchange can fail."""
+    """cap 8: each rank's share of a step in micro-batches (2 at 3 workers, 3 at 2), so the
+    loop body runs more than once a step, already before the step's exchange can fail."""
     flags = ["--max-local-batch", str(cap)] if cap else []
-    per_step = 2 if cap else 1
     proc, out, metrics = _launch(tmp_path, "failure", flags)
 
     def joined():
@@ -87,11 +86,14 @@ def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_
     steps = got[0]["step_count"]
     for r in got:
         assert r["size"] == 2
-        # the user's code ran once per committed batch, as far as the job can see
-        assert r["updates"] == r["last_epoch"] == r["step_count"] * per_step == steps * per_step
+        # the user's code ran once per committed batch, as far as the job can see (the
+        # counts equal the uninterrupted run's, below)
+        assert r["updates"] == r["last_epoch"], r
+        if cap is None:
+            assert r["updates"] == r["step_count"] == steps, r
         # a plain local variable is not the job's to undo: the body's runs for the step
         # that was given up stay counted (on a rank that was inside that step)
-        assert steps * per_step <= r["body_runs"] <= (steps + 1) * per_step, r
+        assert r["updates"] <= r["body_runs"] <= r["updates"] + 3, r
     assert got[0]["ema"] == got[1]["ema"]  # its buffers follow the model's, broadcast
     assert got[0]["params"] == got[1]["params"]
     assert got[0]["buffers"] == got[1]["buffers"]
