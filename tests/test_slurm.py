@@ -564,6 +564,38 @@ def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster
 
 
 @pytest.mark.slurm
+def test_a_requeued_job_that_had_grown_comes_back_at_its_size(cluster, tmp_path,
+                                                              cancel_leftovers):
+    """A job that a policy grew to 2 nodes (one a companion allocation's), stopped by USR1
+    and requeued, grows back to 2 nodes before its first step after the resume (one line)."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    job = submit(TRAIN_SBATCH, UNTIL_STOPPED + ["--policy", "resize-schedule",
+                                                "--resize-schedule-steps", "1:2",
+                                                "--metrics-file", "m.jsonl",
+                                                "--stop-file", str(stop)],
+                 env=job_env(MAX_NODES=2), cwd=str(tmp_path))
+    cancel_leftovers.append(job)
+    wait_for(lambda: len([r for r in records(metrics, "step") if r["world_size"] == 2]) >= 20,
+             "20 steps on 2 nodes", job, tmp_path)
+    run_slurm(["scancel", "--signal=USR1", job])
+
+    def grown_back():
+        return [r for r in records(metrics, "resize") if r["ok"]
+                and r["reason"] == "resuming at the checkpoint's 2 workers"]
+
+    grown = wait_for(grown_back, "the requeued job grown back to 2 nodes", job, tmp_path)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(job, 300)
+    out = job_output(tmp_path, job)
+    assert final.state == "COMPLETED", out[-3000:]
+    assert out.count("the checkpoint was written by 2 workers: growing back to 2") == 1
+    after = [r for r in records(metrics, "step") if r["step"] > grown[0]["step"]]
+    assert after and all(r["world_size"] == 2 for r in after)
+
+
+@pytest.mark.slurm
 def test_time_limit_signal_requeues_until_the_training_is_done(cluster, tmp_path,
                                                               cancel_leftovers):
     """The real thing: a two-minute job that needs longer. Slurm sends USR1 60 s before the
