@@ -15,6 +15,7 @@ __all__ = [
     "slurm_node_name",
     "state_transport",
     "agent_dir",
+    "ompi_fault_tolerance",
 ]
 
 _DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -43,6 +44,12 @@ def launch_rank() -> Optional[int]:
 def launch_size() -> Optional[int]:
     """The number of processes of this launch, as the launcher says (None: no launcher)."""
     return _first_int(_SIZE_VARIABLES)
+
+
+def ompi_fault_tolerance() -> bool:
+    """Whether Open MPI's launcher started this process with ``--with-ft ulfm`` (it passes
+    the MCA setting ``mpi_ft_enable`` to every process through the environment)."""
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes")
 
 
 def bucket_bytes() -> int:

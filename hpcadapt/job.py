@@ -41,6 +41,7 @@ from .engine import PolicyEngine
 from .errors import ConfigurationError, HpcAdaptError, MembershipError, on_every_rank
 from .loader import ElasticDataLoader, WalkKey, split_micro
 from .metrics import DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord
+from .mpiflavour import flavour
 from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
                       estimate_from_replicas)
 from .parallel import DistributedOptimizer, GradientStats
@@ -424,6 +425,7 @@ class Job:
                          self.world.size, self.state.hyper.batch_size,
                          self.state.strategy.describe(),
                          ", ".join(p.name for p in self.engine.policies) or "none")
+                log.info("%s", flavour().startup_line())
         return self
 
     def _start_size(self) -> tuple:
@@ -771,7 +773,8 @@ class Job:
             control = self._round_control(report)
             MPICommunicator(self.world).allreduce(control, ReduceOp.SUM)
             broadcast_parameters(tensors, root=0, world=self.world)  # rank 0's model for all
-        except world_mod.PeerFailure as exc:
+        except world_mod.FAILURES as exc:
+            exc = world_mod.as_failure(exc)
             self._step_open = False
             self._recover(exc)  # or ends the job
             return 0
@@ -946,7 +949,8 @@ class Job:
         t1 = time.perf_counter()
         try:
             stats = self.optimizer.synchronize()
-        except world_mod.PeerFailure as exc:
+        except world_mod.FAILURES as exc:
+            exc = world_mod.as_failure(exc)
             self._recover(exc)  # or ends the job
             return False
         self._slow_down(self.options.slow_comm, time.perf_counter() - t1)  # --slow-comm
@@ -995,7 +999,8 @@ class Job:
         if st.strategy.averages_after(st.step - 1) and self.world.size > 1:
             try:
                 self.optimizer.average_models()  # local SGD: the replicas become one
-            except world_mod.PeerFailure as exc:
+            except world_mod.FAILURES as exc:
+                exc = world_mod.as_failure(exc)
                 self._recover(exc)  # the step is done on every survivor; training goes on
                 return True
         t3 = time.perf_counter()
@@ -1152,7 +1157,8 @@ class Job:
             plan_text = _broadcast_text(plan_text, self.world)
             if plan_text:
                 self._apply_decided_plan(plan_text, snap, decisions)
-        except world_mod.PeerFailure as exc:
+        except world_mod.FAILURES as exc:
+            exc = world_mod.as_failure(exc)
             self._recover(exc)  # or ends the job
 
     def _apply_decided_plan(self, plan_text: str, snap, decisions) -> None:
@@ -1269,7 +1275,8 @@ class Job:
                 broadcast_parameters(list(self.model.parameters()) + list(self.model.buffers()),
                                      root=0, world=self.world)
                 broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
-            except world_mod.PeerFailure as exc:
+            except world_mod.FAILURES as exc:
+                exc = world_mod.as_failure(exc)
                 self._recover(exc)
                 if self.world.rank == 0:
                     log.error("strategy switch %s -> %s discarded (a peer died in it); "
@@ -1281,7 +1288,8 @@ class Job:
             # 0's since the round's end); its state goes to every rank
             try:
                 broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
-            except world_mod.PeerFailure as exc:
+            except world_mod.FAILURES as exc:
+                exc = world_mod.as_failure(exc)
                 self._recover(exc)
                 return
             identical = self.replicas_identical() if self.options.check_replicas else None
@@ -1350,7 +1358,8 @@ class Job:
             return
         try:
             status, joiners, detail = self.elastic.poll_grow()
-        except world_mod.PeerFailure as exc:
+        except world_mod.FAILURES as exc:
+            exc = world_mod.as_failure(exc)
             self._recover(exc)  # or ends the job
             return
         if status == ABANDON:
@@ -1374,7 +1383,8 @@ class Job:
             except JoinAborted as exc:
                 self._record_resize(self.elastic.abandon(str(exc)))
                 return
-            except world_mod.PeerFailure as exc:
+            except world_mod.FAILURES as exc:
+                exc = world_mod.as_failure(exc)
                 if merged is None:
                     self._fail(exc)  # a rank of the running job itself failed
                 # A joiner died after it merged: back to the old world, which holds only
@@ -1513,14 +1523,24 @@ class Job:
             self._fail(exc)
         t0 = time.perf_counter()
         old_size, version = self.world.size, self.world.cluster_version
+        shrunk = None
+
+        def expire(reason: str) -> None:
+            self._fail(world_mod.PeerFailure(reason, cause="timeout"))
+
         try:
-            agreement = recovery.agree(self.world, [exc.rank] if exc.rank >= 0 else [],
-                                       self.options.peer_timeout)
-        except world_mod.PeerFailure as again:
-            self._fail(again)
+            if world_mod.ULFM:
+                with world_mod.Watchdog(self.options.peer_timeout, "the shrink", expire):
+                    agreement, shrunk = recovery.shrink(self.world)
+            else:
+                agreement = recovery.agree(self.world, [exc.rank] if exc.rank >= 0 else [],
+                                           self.options.peer_timeout)
+        except world_mod.FAILURES as again:
+            self._fail(world_mod.as_failure(again, "the recovery"))
         t_agreed = time.perf_counter()
         why = recovery.unrecoverable(self.world, agreement,
-                                     coordinator_may_move=self._coordinator_may_move())
+                                     coordinator_may_move=self._coordinator_may_move(),
+                                     launch_survives=world_mod.ULFM)
         if why is not None:
             self._fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
                                              rank=agreement.dead[0] if agreement.dead else -1,
@@ -1536,12 +1556,10 @@ class Job:
             self._record_resize(self.elastic.abandon("a worker died"))
         rolled_from = self.state.step
 
-        def expire(reason: str) -> None:
-            self._fail(world_mod.PeerFailure(reason, cause="timeout"))
-
         with world_mod.Watchdog(self.options.peer_timeout, "the recovery", expire):
             try:
-                comm = recovery.form_world(self.world.comm, agreement.survivors)
+                comm = shrunk if shrunk is not None else \
+                    recovery.form_world(self.world.comm, agreement.survivors)
                 t_formed = time.perf_counter()
                 self.world.abandon()
                 self.optimizer.abandon_in_flight()
@@ -1557,8 +1575,8 @@ class Job:
                     self.state.broadcast(view, is_root=self.world.rank == root, root=root)
                     if policy_state is not None:
                         self.engine.load_state_dict(policy_state)  # rank 0's decide
-            except world_mod.PeerFailure as again:
-                self._fail(again)
+            except world_mod.FAILURES as again:
+                self._fail(world_mod.as_failure(again, "the recovery"))
         self._walk = None
         self._recovered = True
         self._step_open = False
@@ -1597,10 +1615,13 @@ class Job:
         ``hpcadapt.agent`` with the local allocator (a companion Slurm job's workers are
         not the agent's descendants, and the job step ends with rank 0's launch), unless
         the agent was asked to stop the job (a coordinator that a stop signal ended
-        without --checkpoint is not replaced). The same on every survivor: one agent, one
-        environment, one allocator kind."""
+        without --checkpoint is not replaced); and anywhere under ULFM, whose launch
+        survives any rank. The same on every survivor: one agent, one environment, one
+        allocator kind, one MPI."""
         from .allocator import LocalAllocator
 
+        if world_mod.ULFM:
+            return True  # the launch survives any rank's death; mpirun waits for the rest
         return (config.agent_dir() is not None and not agent.stopping()
                 and isinstance(self.allocator, LocalAllocator))
 

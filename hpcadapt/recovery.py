@@ -13,7 +13,12 @@ notice communicator (``World.notices``), which needs only live peers:
    group's members only.
 
 A second death during these steps, or a survivor silent past the deadline, raises
-PeerFailure: the job then ends as before recovery existed (state saved, exit 75)."""
+PeerFailure: the job then ends as before recovery existed (state saved, exit 75).
+
+Under Open MPI with ULFM (``mpirun --with-ft ulfm``) the MPI does this itself, for any
+rank of any launch (``shrink``): the rank that saw the death revokes the world's
+communicators, so every survivor's operation on them fails and it comes here too; ``Shrink``
+then gives every survivor the same communicator of the living, in the old rank order."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from mpi4py import MPI
 
 from .runtime import ABANDONED, NOTICE_TAG, PeerFailure, World
 
-__all__ = ["Agreement", "agree", "unrecoverable", "form_world"]
+__all__ = ["Agreement", "agree", "shrink", "unrecoverable", "form_world"]
 
 
 @dataclass(frozen=True)
@@ -92,15 +97,38 @@ def _exchange(world: World, mask: np.ndarray, tag: int, t_end: float) -> dict:
     return received
 
 
-def unrecoverable(world: World, agreement: Agreement, *,
-                  coordinator_may_move: bool) -> Optional[str]:
+def shrink(world: World) -> Tuple[Agreement, MPI.Intracomm]:
+    """ULFM: revoke the world's communicators, shrink to the living (collective over them;
+    blocking, so the caller bounds it with a watchdog) and name the dead by comparing the
+    two groups. Returns the agreement and the survivors' communicator."""
+    comm = world.comm
+    for c in (comm, world.notices):
+        try:
+            c.Revoke()
+        except MPI.Exception:  # revoked already by another rank
+            pass
+    new = comm.Shrink()
+    old_group, new_group = comm.Get_group(), new.Get_group()
+    try:
+        survivors = tuple(int(r) for r in MPI.Group.Translate_ranks(
+            new_group, list(range(new.Get_size())), old_group))
+    finally:
+        old_group.Free()
+        new_group.Free()
+    dead = tuple(r for r in range(world.size) if r not in survivors)
+    return Agreement(dead, survivors), new
+
+
+def unrecoverable(world: World, agreement: Agreement, *, coordinator_may_move: bool,
+                  launch_survives: bool = False) -> Optional[str]:
     """Why the survivors cannot go on without the dead (None when they can): a dead rank's
-    launch still holds survivors (its launcher ends them too), no rank is left, or rank 0
-    died where its role cannot move (no ``hpcadapt.agent`` keeps the job: its launch was
-    what the user or the job step waited on)."""
+    launch still holds survivors (its launcher ends them too, unless ``launch_survives``:
+    ULFM), no rank is left, or rank 0 died where its role cannot move (no
+    ``hpcadapt.agent`` keeps the job: its launch was what the user or the job step waited
+    on)."""
     if not agreement.survivors:
         return "no rank survived"
-    for d in agreement.dead:
+    for d in agreement.dead if not launch_survives else ():
         shared = [r for r in agreement.survivors if world.launches[r] == world.launches[d]]
         if shared:
             return (f"rank {d} was started by the same launch (mpiexec/srun) as rank(s) "

@@ -26,9 +26,10 @@ from mpi4py import MPI  # noqa: E402
 
 from . import config
 from .errors import ConfigurationError
+from .mpiflavour import flavour
 
 __all__ = ["WorldInfo", "World", "init", "world", "is_initialized", "shutdown", "PeerFailure",
-           "PeerWatch", "wait_request", "PEER_TIMEOUT_FLOOR"]
+           "PeerWatch", "wait_request", "PEER_TIMEOUT_FLOOR", "ULFM", "FAILURES", "as_failure"]
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,13 @@ class World:
         self.watch.sources.append(self._notice)
 
     def _notice(self) -> Optional[Tuple[int, str]]:
-        """A failure notice from another rank, if one waits (PeerWatch source)."""
+        """A failure notice from another rank, if one waits (PeerWatch source). Under ULFM
+        the notice is the revoke of the world's communicator by the rank that saw a death
+        (it reaches ranks waiting on other communicators: a node's, a pair's)."""
+        if ULFM:
+            if self._comm is not None and self._comm.Is_revoked():
+                return NOTICE, "another rank revoked the world after a death"
+            return None
         status = MPI.Status()
         if self.notices.Iprobe(source=MPI.ANY_SOURCE, tag=NOTICE_TAG, status=status):
             return NOTICE, f"rank {status.Get_source()} reports a dead peer"
@@ -276,8 +283,9 @@ class Watchdog:
 def leave_with_launch_siblings(timeout_s: float) -> None:
     """On the way out after a failure: wait (at most ``timeout_s``) for the processes this one
     was launched with, so that they all exit together and none is killed by the launcher
-    before it has said why it ends (a dead sibling: the launcher ends them all anyway)."""
-    if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+    before it has said why it ends (a dead sibling: the launcher ends them all anyway).
+    Under ULFM the launcher ends nobody, and COMM_WORLD may hold the dead: no wait."""
+    if ULFM or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
         return
     try:
         wait_request(MPI.COMM_WORLD.Ibarrier(), None, "the launch siblings' exit",
@@ -289,14 +297,37 @@ def leave_with_launch_siblings(timeout_s: float) -> None:
 def wait_for_launch_siblings(poll_s: float = 0.05) -> None:
     """Processes started together by one mpiexec/srun share COMM_WORLD and cannot finalise
     before each other; one that left the training early waits here, sleeping, instead of
-    spinning inside MPI_Finalize. Processes that joined alone pass at once."""
+    spinning inside MPI_Finalize. Processes that joined alone pass at once, and so does
+    every process under ULFM (COMM_WORLD may hold the dead; Open MPI finalises alone)."""
     import time
 
-    if MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+    if ULFM or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
         return
     request = MPI.COMM_WORLD.Ibarrier()
     while not request.Test():
         time.sleep(poll_s)
+
+
+# -- failures as one exception ----------------------------------------------------------------
+# Under Open MPI with ULFM (``mpirun --with-ft ulfm``) an operation that involves a dead
+# peer, or a communicator another rank revoked, raises MPI.Exception (PROC_FAILED, REVOKED,
+# and sometimes OTHER or TRUNCATE); each is a peer failure. Under any other MPI an
+# MPI.Exception is an error, never a failure.
+ULFM: bool = flavour().ulfm
+
+
+def as_failure(exc: BaseException, what: str = "an MPI operation") -> "PeerFailure":
+    """``exc`` as the one failure exception (PeerFailure passes through)."""
+    if isinstance(exc, PeerFailure):
+        return exc
+    if isinstance(exc, MPI.Exception) and ULFM:
+        name = {MPI.ERR_PROC_FAILED: "MPI_ERR_PROC_FAILED",
+                MPI.ERR_REVOKED: "MPI_ERR_REVOKED"}.get(exc.Get_error_class(),
+                                                         f"MPI error class "
+                                                         f"{exc.Get_error_class()}")
+        return PeerFailure(f"{name} in {what}", cause="dead" if name.endswith("FAILED")
+                           else "notice")
+    raise exc
 
 
 # -- waiting on peers, bounded -----------------------------------------------------------------
@@ -317,6 +348,10 @@ class PeerFailure(Exception):
         self.cause = cause            # "dead", "notice" (another rank saw one), "timeout",
         #                               "stop" or "join"
         self.detected_at = time.time()
+
+
+# What a failure can be raised as: catch these, then ``as_failure``.
+FAILURES: tuple = (PeerFailure, MPI.Exception) if ULFM else (PeerFailure,)
 
 
 def node_key() -> int:
@@ -433,7 +468,7 @@ class PeerWatch:
         spin_until = t0 + self.spin_s
         next_check = t0 + self.check_s
         limit = t0 + (self.deadline_s() if deadline_s is None else deadline_s)
-        while not test():
+        while not _test(test, what):
             now = time.perf_counter()
             if now < spin_until:
                 continue
@@ -459,11 +494,18 @@ class PeerWatch:
                                   f"{what}", waited_s=waited, cause="stop")
 
 
+def _test(test: Callable[[], bool], what: str) -> bool:
+    try:
+        return test()
+    except MPI.Exception as exc:
+        raise as_failure(exc, what) from None
+
+
 def wait_request(request: MPI.Request, watch: Optional[PeerWatch], what: str,
                  deadline_s: Optional[float] = None) -> None:
     """Complete ``request``: at once when it is done, else a bounded wait through ``watch``
     (a plain deadline of PEER_TIMEOUT_FLOOR when there is none)."""
-    if request.Test():
+    if _test(request.Test, what):
         return
     if watch is None:
         watch = PeerWatch(-1, [])
