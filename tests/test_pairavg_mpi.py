@@ -3,6 +3,7 @@ peer's model before the local update, a fetch completes while its peer computes 
 making any MPI call, a fetch returns one whole publication, and the window follows the
 world (rebuilt when the cluster version changes, freed when the strategy leaves)."""
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -120,6 +121,8 @@ def test_a_fetch_completes_while_the_peer_computes_without_mpi_calls(w):
         ok = _spin_until(d / f"fetched-{w.rank}")  # False: the fetch waited for us
     results = w.comm.allgather(ok)
     pairs.free()
+    if w.rank == 0:
+        shutil.rmtree(d)
     assert all(results), results
 
 

@@ -140,8 +140,8 @@ def test_twenty_random_kills_are_each_survived(tmp_path):
     """Twenty launches, each losing a random rank at a random step: 20 of 20 finish."""
     rng = random.Random(24)
     for i in range(20):
-        victim, at = rng.randrange(4), rng.randrange(5, 110)
-        run = Launch(tmp_path, 4, ENTRY[:ENTRY.index("--epochs") + 1] + ["3"] +
+        victim, at = rng.randrange(4), rng.randrange(5, 80)
+        run = Launch(tmp_path, 4, ENTRY[:ENTRY.index("--epochs") + 1] + ["2"] +
                      ENTRY[ENTRY.index("--epochs") + 2:], name=f"run{i}")
         run.wait_for_step(at)
         run.kill([victim])
