@@ -23,6 +23,7 @@ The cluster version goes up exactly once per successful resize."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -41,6 +42,7 @@ from mpi4py import MPI  # noqa: E402
 from .allocator import Allocator, Worker
 from .config import JOIN_DIR_VARIABLE
 from .errors import AllocationError, MembershipError
+from .mpiflavour import flavour
 from .runtime import PeerFailure as PeerFailureType
 from .runtime import PeerWatch, World, wait_request
 
@@ -300,7 +302,11 @@ def join_running_job(ticket: JoinTicket, on_bridge=None,
     ``port``: already read (``ticket.wait_for_port()``)."""
     if port is None:
         port = ticket.wait_for_port()
-    _write_atomic(ticket.ready_file(), str(os.getpid()))
+    try:
+        _write_atomic(ticket.ready_file(), str(os.getpid()))
+    except FileNotFoundError:
+        raise MembershipError(f"the join folder {ticket.directory} is gone: the job gave up "
+                              f"the grow") from None
     turn = ticket.turn_file()
     while not os.path.exists(turn):
         if not os.path.isdir(ticket.directory):
@@ -399,6 +405,14 @@ class ElasticController:
         """Every rank: mark the grow pending; rank 0 takes its spares (``--warm-spares``)
         and launches joiners for the rest. A launch that fails is reported on every rank
         (rank 0 broadcasts it) and nothing changes."""
+        if flavour().open_mpi:
+            # A worker started from here cannot connect to this launch under the PyPI Open
+            # MPI's runtime (the field notes); growing there is Spawn's, not built yet.
+            self._refuse(f"grow to {target} refused ({reason}): growing is not available on "
+                         f"Open MPI yet (use MPICH for jobs that grow); training goes on "
+                         f"with {self.world.size} workers")
+            return ResizeOutcome(self.world.size, target,
+                                 f"{reason}; refused: no grow on Open MPI yet", 0.0, False)
         error = ""
         if self.world.rank == 0:
             count = target - self.world.size
@@ -560,9 +574,21 @@ class ElasticController:
 
 
 def _remove_folder(directory: str) -> None:
-    for name in os.listdir(directory):
-        os.unlink(os.path.join(directory, name))
-    os.rmdir(directory)
+    """Remove a join folder and what is in it; a joiner may still be writing a file there
+    (its claim, its ready file) while it goes: list again then."""
+    for _ in range(5):
+        for name in os.listdir(directory):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(directory)
+            return
+        except OSError as exc:
+            if exc.errno != errno.ENOTEMPTY:
+                raise
+    log.warning("could not remove %s: a worker keeps writing into it", directory)
 
 
 def _bcast_flag(comm: MPI.Intracomm, flag: bool, watch) -> bool:
