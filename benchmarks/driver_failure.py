@@ -218,6 +218,113 @@ def hpcadapt_series(tmp: str, kills: int, timeout: float, settle_steps: int, kil
     return done, crashes
 
 
+def openmpi_python() -> str:
+    """A Python whose mpi4py runs on Open MPI: this one, else the checkout's .venv-openmpi."""
+    from mpi4py import MPI
+
+    if MPI.get_vendor()[0] == "Open MPI":
+        return sys.executable
+    other = ROOT / ".venv-openmpi" / "bin" / "python"
+    if not other.exists():
+        raise SystemExit("failure benchmark --mpi openmpi: no Open MPI here; run "
+                         "`make setup MPI=openmpi` first (it creates .venv-openmpi)")
+    return str(other)
+
+
+def _launch_rank_pids(launcher_pid: int) -> Dict[int, int]:
+    """{rank: pid} of the launcher's child processes, from Open MPI's rank variable."""
+    out = {}
+    with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children", encoding="ascii") as f:
+        children = [int(p) for p in f.read().split()]
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env_vars = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        except OSError:
+            continue
+        rank = env_vars.get(b"OMPI_COMM_WORLD_RANK", b"")
+        if rank.isdigit():
+            out[int(rank)] = pid
+    return out
+
+
+def ulfm_failures(tmp: str, kills: int, timeout: float, settle_steps: int, out: List[dict],
+                  hidden: str = BIG) -> List[dict]:
+    """Open MPI with ULFM: one plain `mpirun --with-ft ulfm -n 4` launch per kill (growing
+    back is not built on Open MPI yet), the victim taking turns through ranks 0, 1, 2 and 3;
+    the survivors shrink in place. Each job ends by its stop file, which must give exit 0;
+    a job that ends otherwise counts as crashed (and is recorded, not retried)."""
+    python = openmpi_python()
+    mpirun = [os.path.join(os.path.dirname(python), "mpirun"), "--with-ft", "ulfm", "--mca",
+              "async_mpi_finalize", "1", "--oversubscribe"] + \
+        (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    crashed = []
+    for k in range(kills):
+        label = f"ulfm-kill{k + 1}"
+        metrics = os.path.join(tmp, f"{label}.jsonl")
+        stop = os.path.join(tmp, f"{label}.stop")
+        err = os.path.join(tmp, f"{label}.stderr")
+        cmd = mpirun + ["-n", "4", python, "-m", "hpcadapt.train", "--model", "mlp",
+                        "--hidden", hidden, "--dataset", "synthetic", "--synthetic-samples",
+                        "1024", "--batch-size", "32", "--epochs", "100000", "--no-progress",
+                        "--threads", "1", "--on-failure", "recover", "--metrics-file",
+                        metrics, "--stop-file", stop]
+        with open(err, "w", encoding="utf-8") as ferr:
+            proc = subprocess.Popen(cmd, env=env(), cwd=ROOT, stdout=ferr,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        tail = Tail(metrics)
+
+        def alive() -> Optional[str]:
+            rc = proc.poll()
+            return None if rc is None else (f"the hpcadapt job ended (exit {rc}; output "
+                                            f"tail: {stderr_tail(err)})")
+
+        rank = k % 4
+        try:
+            i = 0
+            for _ in range(settle_steps):
+                i = wait_for(tail, i, lambda r: r.get("event") == "step",
+                             f"a step of launch {k + 1}", timeout, alive) + 1
+            pid = _launch_rank_pids(proc.pid)[rank]
+            os.kill(pid, signal.SIGKILL)
+            killed = time.time()
+            i = wait_for(tail, i, lambda r: r.get("event") == "failure",
+                         f"a failure line after killing rank {rank} (kill {k + 1})",
+                         timeout, alive)
+            fail = tail.rows[i]
+            if not fail.get("recovered"):
+                raise SystemExit(f"failure benchmark: the job did not recover: {fail}")
+            recovered = fail["recovered_unix"]
+            i = wait_for(tail, i + 1, lambda r: r.get("event") == "step"
+                         and r["unix_time"] >= recovered,
+                         f"a step after the recovery (kill {k + 1})", timeout, alive)
+            step = tail.rows[i]
+            with open(stop, "w"):
+                pass
+            rc = proc.wait(timeout=timeout)
+            if rc != 0:
+                raise SystemExit(f"exit {rc} after the stop file (output tail: "
+                                 f"{stderr_tail(err)})")
+        except (SystemExit, subprocess.TimeoutExpired) as e:
+            crashed.append({"job": k + 1, "after_recovered_kills": 0, "what": str(e)})
+            print(f"  hpcadapt (Open MPI) launch {k + 1} failed: {str(e)[:300]}", flush=True)
+            continue
+        finally:
+            end_group(proc)
+        detect = fail["detected_unix"] - killed
+        resumed = step["unix_time"] - step["step_time_s"]
+        recover = resumed - fail["detected_unix"]
+        out.append({"killed_rank": rank, "dead": fail.get("dead"), "detect_s": detect,
+                    "recover_s": recover, "kill_to_resume_s": detect + recover,
+                    "kill_to_step_end_s": step["unix_time"] - killed,
+                    "recovery_s": fail.get("recovery_s"), "rolled_back_to": fail.get("step"),
+                    "first_step": step["step"], "first_step_world": step["world_size"],
+                    "first_step_time_s": step.get("step_time_s"), "job": k + 1})
+        print(f"  hpcadapt (Open MPI, ULFM) kill {k + 1}: rank {rank} detect {detect:.3f} s, "
+              f"recover {recover:.3f} s", flush=True)
+    return crashed
+
+
 def torchrun_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
                       save_every: int, hidden: str = BIG) -> List[dict]:
     log = os.path.join(tmp, "torchrun.jsonl")
@@ -306,13 +413,24 @@ def run(name, extra):
                     help="leave one side out (its ratios are n/a)")
     ap.add_argument("--hidden", default=BIG, help=f"the MLP's hidden layers on both sides "
                                                   f"(default {BIG}: 25.7M parameters)")
+    ap.add_argument("--mpi", choices=["mpich", "openmpi"], default="mpich",
+                    help="hpcadapt's side: mpich (joined workers killed, replaced stop-free) "
+                         "or openmpi (one plain `mpirun --with-ft ulfm -n 4` launch per kill, "
+                         "any rank, rank 0 included; from .venv-openmpi when this Python "
+                         "runs MPICH)")
     quick_defaults(ap, extra, kills=1, hidden=SMALL, timeout=120.0)
     args = ap.parse_args(extra)
     tmp = tempfile.mkdtemp(prefix="hpcadapt-failure-")
     print(f"failure benchmark: logs in {tmp}", flush=True)
-    hp, crashes = ([], []) if args.skip == "hpcadapt" else hpcadapt_series(
-        tmp, args.kills, args.timeout, args.settle_steps, args.kill_rank, args.max_crashes,
-        args.hidden)
+    if args.skip == "hpcadapt":
+        hp, crashes = [], []
+    elif args.mpi == "openmpi":
+        hp = []
+        crashes = ulfm_failures(tmp, args.kills, args.timeout, args.settle_steps, hp,
+                                args.hidden)
+    else:
+        hp, crashes = hpcadapt_series(tmp, args.kills, args.timeout, args.settle_steps,
+                                      args.kill_rank, args.max_crashes, args.hidden)
     tr = [] if args.skip == "torchrun" else torchrun_failures(
         tmp, args.kills, args.timeout, args.settle_steps, args.save_every, args.hidden)
     rows: Dict[str, dict] = {}
@@ -333,9 +451,11 @@ def run(name, extra):
     ratio_end = (restart_end / to_end if None not in (to_end, restart_end) and to_end > 0
                  else None)
     return {"benchmark": "failure", "rows": rows, "logs": tmp, "kills": args.kills,
+            "mpi": args.mpi,
             "hpcadapt_crashes": crashes,
             "ratios": {
                 "failure_jobs_crashed": len(crashes) if args.skip != "hpcadapt" else None,
+                "crashed_jobs": len(crashes) if args.skip != "hpcadapt" else None,
                 "failure_detect_s": detect,
                 "failure_recover_s": recover,
                 "failure_kill_to_resume_s": to_resume,
