@@ -306,6 +306,8 @@ def ulfm_failures(tmp: str, kills: int, timeout: float, settle_steps: int, out: 
                 raise SystemExit(f"exit {rc} after the stop file (output tail: "
                                  f"{stderr_tail(err)})")
         except (SystemExit, subprocess.TimeoutExpired) as e:
+            if isinstance(e, SystemExit) and not isinstance(e.code, str):
+                raise  # a stop of the benchmark itself (SIGTERM), not the job's failure
             crashed.append({"job": k + 1, "after_recovered_kills": 0, "what": str(e)})
             print(f"  hpcadapt (Open MPI) launch {k + 1} failed: {str(e)[:300]}", flush=True)
             continue

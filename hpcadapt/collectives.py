@@ -51,20 +51,33 @@ class Handle:
         self._what = what
         self._result: Any = None
         self._done = False
+        self._failure: Optional[BaseException] = None
 
     def test(self) -> bool:
+        """Whether it is done. Never raises: a failure seen here (ULFM: the request ended
+        in error, inside a gradient hook, say) is kept for ``wait`` to raise, where the
+        caller handles it, and the operation stays not done."""
         if self._done:
             return True
-        if self._request is None or self._request.Test():
+        if self._failure is not None:
+            return False
+        try:
+            finished = self._request is None or self._request.Test()
+        except _runtime.FAILURES as exc:
+            self._failure = _runtime.as_failure(exc, self._what)
+            return False
+        if finished:
             self._complete()
         return self._done
 
     def wait(self) -> Any:
         """The result; a wait on peers is bounded (``runtime.PeerWatch``): PeerFailure when
         a peer is dead or silent past the deadline, instead of waiting forever."""
+        if self._failure is not None:
+            raise self._failure
         if not self._done:
             request = self._request
-            if request is not None and not request.Test():
+            if request is not None and not _runtime.wait_request_done(request, self._what):
                 if self._watch is not None:
                     self._watch.wait(request, self._what)
                 else:

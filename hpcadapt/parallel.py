@@ -187,6 +187,10 @@ class DistributedOptimizer:
         self._staged_extras = torch.zeros(max(self._extra_slots, 0) + 1, dtype=torch.float64)
         self._skip_sync = False
         self._synchronized = False  # synchronize() ran since the last backward
+        # A failure met inside a gradient hook (ULFM: starting or testing a collective on a
+        # revoked communicator), raised by ``synchronize`` where the job handles it: an
+        # exception out of a hook would surface from autograd's backward instead.
+        self._hook_failure: Optional[BaseException] = None
         self.strategy = Strategy()
         self._sync_grads = True       # this step averages gradients (the strategy, monitors)
         self._model_alpha: Optional[float] = None  # this step's pull towards the average
@@ -466,6 +470,7 @@ class DistributedOptimizer:
         and fresh buckets are built on the next use."""
         from .runtime import ABANDONED
 
+        self._hook_failure = None
         ABANDONED.append(self._buckets)
         if self._model_avg is not None:
             ABANDONED.append(self._model_avg)
@@ -542,12 +547,17 @@ class DistributedOptimizer:
         state = self._param_bucket[p]
         self._take_gradient(p, ready=True)
         state.pending -= 1
-        if state.pending == 0:
-            self._launch(state)
-        # Drive MPI's progress engine for collectives already in flight.
-        for b in self._buckets:
-            if b.handle is not None and not b.handle.test():
-                break
+        if self._hook_failure is not None:
+            return  # the step is given up; synchronize raises the failure
+        try:
+            if state.pending == 0:
+                self._launch(state)
+            # Drive MPI's progress engine for collectives already in flight.
+            for b in self._buckets:
+                if b.handle is not None and not b.handle.test():
+                    break
+        except _runtime.FAILURES as exc:
+            self._hook_failure = _runtime.as_failure(exc, "a gradient allreduce's start")
 
     def _take_gradient(self, p: torch.nn.Parameter, ready: bool) -> None:
         """Move ``p``'s gradient into its bucket slot, scaled by this rank's share, and make
@@ -595,6 +605,9 @@ class DistributedOptimizer:
         (S-SGD; under model averaging this rank's own, and the parameters have been pulled
         towards the replicas' average)."""
         self._ensure_current()
+        if self._hook_failure is not None:
+            failure, self._hook_failure = self._hook_failure, None
+            raise failure
         if not self._sync_grads:
             # the fetch ends before the control reduction: a peer cannot publish twice
             # while it is read (hpcadapt.pairavg)

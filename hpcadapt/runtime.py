@@ -501,6 +501,11 @@ def _test(test: Callable[[], bool], what: str) -> bool:
         raise as_failure(exc, what) from None
 
 
+def wait_request_done(request: MPI.Request, what: str) -> bool:
+    """``request.Test()``, with an MPI error under ULFM raised as a PeerFailure."""
+    return _test(request.Test, what)
+
+
 def wait_request(request: MPI.Request, watch: Optional[PeerWatch], what: str,
                  deadline_s: Optional[float] = None) -> None:
     """Complete ``request``: at once when it is done, else a bounded wait through ``watch``
