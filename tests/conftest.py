@@ -56,21 +56,50 @@ def mpiexec() -> str:
     return found
 
 
+def descendants(pid: int) -> List[int]:
+    """Every process below ``pid`` (MPICH's proxy starts a session of its own, so a process
+    group does not reach the ranks)."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def run_mpi(n: int, args: List[str], *, timeout: float = 300, env: Optional[dict] = None,
             check: bool = True) -> subprocess.CompletedProcess:
     """Run ``python ARGS`` on ``n`` MPI ranks and return the finished process."""
+    import signal
+
     cmd = [mpiexec(), "-n", str(n), sys.executable] + args
     full_env = dict(os.environ)
     full_env.update(env or {})
+    # A timeout kills the launcher and every process below it: loader workers left alive
+    # would hold the output pipes open and block the read forever.
+    popen = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:  # what it printed says where it hung
-        def text(b):
-            return (b.decode(errors="replace") if isinstance(b, bytes) else b or "")[-4000:]
-
+        out, err = popen.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # what it printed says where it hung
+        for pid in [popen.pid] + descendants(popen.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, err = popen.communicate()
         raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s:\n"
-                             f"{text(exc.stdout)}\n{text(exc.stderr)}") from None
+                             f"{(out or '')[-4000:]}\n{(err or '')[-4000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

@@ -177,3 +177,43 @@ def test_twenty_random_kills_are_each_survived(tmp_path):
         code = run.finish()
         assert code == 0, f"kill {i} (rank {victim} at step {at}):\n{run.stderr()[-3000:]}"
         assert [f["dead"] for f in run.rows("failure")] == [[victim]], i
+
+
+# -- inside a Slurm job (the real test cluster) -----------------------------------------------
+from test_slurm import cancel_leftovers, cluster, job_env  # noqa: E402,F401 (fixtures)
+
+
+@pytest.mark.slurm
+def test_a_rank_killed_inside_a_slurm_job_is_survived(cluster, tmp_path, cancel_leftovers):
+    """slurm/train-ulfm.sbatch runs mpirun --with-ft ulfm inside the allocation; a rank is
+    SIGKILLed; the job trains on at 2 ranks and ends COMPLETED by its stop file."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit, wait_for
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    job = submit(str(ROOT / "slurm" / "train-ulfm.sbatch"),
+                 ["--epochs", "100000", "--model", "mlp", "--dataset", "digits", "--threads",
+                  "1", "--metrics-file", str(metrics), "--stop-file", str(stop)],
+                 env=job_env(NTASKS="3", MPIRUN_FLAGS="--oversubscribe"), cwd=str(tmp_path))
+    cancel_leftovers.append(job)
+    out = tmp_path / f"hpcadapt-ulfm-{job}.out"
+
+    def said():
+        return out.read_text() if out.exists() else ""
+
+    wait_for(lambda: [r for r in complete_rows(metrics)
+                      if r.get("event") == "step" and r["step"] >= 20], "step 20", job, 300)
+    pids = launch_ranks(str(metrics))
+    assert sorted(pids) == [0, 1, 2], (pids, said()[-3000:])
+    os.kill(pids[1], signal.SIGKILL)
+    failure = wait_for(lambda: [r for r in complete_rows(metrics)
+                                if r.get("event") == "failure"], "the failure record", job,
+                       300)[0]
+    assert failure["recovered"] and failure["dead"] == [1], failure
+    wait_for(lambda: [r for r in complete_rows(metrics) if r.get("event") == "step"
+                      and r["step"] > failure["step"] + 5], "steps after the recovery", job, 300)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(job, 300)
+    assert final.state == "COMPLETED", said()[-3000:]
+    assert said().count("died (") == 1, said()[-3000:]
+    summary = json.loads([l for l in said().splitlines() if l.startswith("{")][-1])
+    assert summary["world_size"] == 2
