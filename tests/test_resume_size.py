@@ -46,6 +46,13 @@ def grown_checkpoint(tmp_path_factory):
     return ckpt
 
 
+def _steps_after(ckpt, more):
+    """--max-steps for a resume of ``ckpt`` that trains ``more`` steps (the signal reached the
+    job at a step that depends on the machine's speed: read it from the stop record)."""
+    stop = [r for r in complete_rows(ckpt.parent / "m.jsonl") if r.get("event") == "stop"]
+    return str(stop[-1]["step"] + more)
+
+
 def _copy(ckpt, tmp_path):
     target = tmp_path / "c.ckpt"
     shutil.copy(ckpt, target)
@@ -59,7 +66,8 @@ def _resizes(metrics):
 def test_a_resume_grows_back_to_the_size_the_checkpoint_was_written_by(grown_checkpoint,
                                                                       tmp_path):
     ckpt, metrics = _copy(grown_checkpoint, tmp_path), tmp_path / "m.jsonl"
-    proc = _run(["--max-workers", "2", "--checkpoint", str(ckpt), "--max-steps", "8",
+    proc = _run(["--max-workers", "2", "--checkpoint", str(ckpt),
+                 "--max-steps", _steps_after(grown_checkpoint, 5),
                  "--metrics-file", str(metrics)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(r["old_size"], r["new_size"], r["ok"], r["reason"]) for r in _resizes(metrics)] \
@@ -77,7 +85,8 @@ def test_a_resume_grows_back_to_the_size_the_checkpoint_was_written_by(grown_che
 ])
 def test_a_resume_at_the_launch_size_says_so(grown_checkpoint, tmp_path, flags, line):
     ckpt, metrics = _copy(grown_checkpoint, tmp_path), tmp_path / "m.jsonl"
-    proc = _run(flags + ["--checkpoint", str(ckpt), "--max-steps", "6",
+    proc = _run(flags + ["--checkpoint", str(ckpt), "--max-steps",
+                         _steps_after(grown_checkpoint, 3),
                          "--metrics-file", str(metrics)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _resizes(metrics) == []

@@ -10,9 +10,11 @@ import glob
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -158,10 +160,16 @@ def test_usr1_stop_and_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path)
 def test_an_exception_on_rank_1_ends_the_job_with_its_traceback(loader_workers, tmp_path):
     """With loader worker processes too: the failing rank ends them (they held the
     launcher's output pipes open until torch's 5-s watchdog noticed their parent gone).
-    Killed workers cannot remove their temporary folders: they go in the test's own."""
-    proc = run_mpi(2, [str(SCRIPTS / "fail_on_rank1.py"), "--loader-workers",
-                       str(loader_workers)], check=False, timeout=300,
-                   env={"TMPDIR": str(tmp_path)})
+    Killed workers cannot remove their temporary folders: they go in a folder of the test's
+    own, short (a loader worker's socket path under pytest's long tmp_path exceeded the
+    108 bytes of AF_UNIX: the workers could not hand over a batch and the job hung)."""
+    own = tempfile.mkdtemp(prefix="hpcadapt-t-")
+    try:
+        proc = run_mpi(2, [str(SCRIPTS / "fail_on_rank1.py"), "--loader-workers",
+                           str(loader_workers)], check=False, timeout=300,
+                       env={"TMPDIR": own})
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
     assert proc.returncode != 0
     assert "[rank 1] RuntimeError: user code failed on purpose at step 3" in proc.stderr
     assert "[rank 1] Traceback" in proc.stderr and "aborting all 2 ranks" in proc.stderr
