@@ -105,6 +105,32 @@ def end_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def measure_recovery(tail: Tail, start: int, killed: float, rank: int, what: str,
+                     timeout: float, alive: Callable[[], Optional[str]]):
+    """(the row index of the first step after the recovery, the kill's measures): waits for
+    the failure line after ``start`` and the first step after it (module text: detect,
+    recover)."""
+    i = wait_for(tail, start, lambda r: r.get("event") == "failure",
+                 f"a failure line after killing rank {rank} ({what})", timeout, alive)
+    fail = tail.rows[i]
+    if not fail.get("recovered"):
+        raise SystemExit(f"failure benchmark: the job did not recover: {fail}")
+    recovered = fail["recovered_unix"]
+    i = wait_for(tail, i + 1, lambda r: r.get("event") == "step"
+                 and r["unix_time"] >= recovered, f"a step after the recovery ({what})",
+                 timeout, alive)
+    step = tail.rows[i]
+    detect = fail["detected_unix"] - killed
+    recover = step["unix_time"] - step["step_time_s"] - fail["detected_unix"]
+    return i, {"killed_rank": rank, "dead": fail.get("dead"), "detect_s": detect,
+               "recover_s": recover, "kill_to_resume_s": detect + recover,
+               "kill_to_step_end_s": step["unix_time"] - killed,
+               "state_broadcast_s": fail.get("state_broadcast_s"),
+               "recovery_s": fail.get("recovery_s"), "rolled_back_to": fail.get("step"),
+               "first_step": step["step"], "first_step_world": step["world_size"],
+               "first_step_time_s": step.get("step_time_s")}
+
+
 def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
                       kill_rank: str, out: List[dict], label: str = "hpcadapt",
                       hidden: str = BIG) -> None:
@@ -149,29 +175,11 @@ def hpcadapt_failures(tmp: str, kills: int, timeout: float, settle_steps: int,
             pid = int(pids[rank])
             os.kill(pid, signal.SIGKILL)
             killed = time.time()
-            i = wait_for(tail, i + 1, lambda r: r.get("event") == "failure",
-                         f"a failure line after killing rank {rank} (pid {pid}, kill {k + 1})",
-                         timeout, alive)
-            fail = tail.rows[i]
-            if not fail.get("recovered"):
-                raise SystemExit(f"failure benchmark: the job did not recover: {fail}")
-            recovered = fail["recovered_unix"]
-            i = wait_for(tail, i + 1, lambda r: r.get("event") == "step"
-                         and r["unix_time"] >= recovered,
-                         f"a step after the recovery (kill {k + 1})", timeout, alive)
-            step = tail.rows[i]
-            detect = fail["detected_unix"] - killed
-            resumed = step["unix_time"] - step["step_time_s"]
-            recover = resumed - fail["detected_unix"]
-            out.append({"killed_rank": rank, "dead": fail.get("dead"), "detect_s": detect,
-                        "recover_s": recover, "kill_to_resume_s": detect + recover,
-                        "kill_to_step_end_s": step["unix_time"] - killed,
-                        "state_broadcast_s": fail.get("state_broadcast_s"),
-                        "recovery_s": fail.get("recovery_s"), "rolled_back_to": fail.get("step"),
-                        "first_step": step["step"], "first_step_world": step["world_size"],
-                        "first_step_time_s": step.get("step_time_s")})
-            print(f"  hpcadapt kill {k + 1}: rank {rank} detect {detect:.3f} s, "
-                  f"recover {recover:.3f} s", flush=True)
+            i, row = measure_recovery(tail, i + 1, killed, rank, f"kill {k + 1}", timeout,
+                                      alive)
+            out.append(row)
+            print(f"  hpcadapt kill {k + 1}: rank {rank} detect {row['detect_s']:.3f} s, "
+                  f"recover {row['recover_s']:.3f} s", flush=True)
             i += 1
         # the last replacement joins before the stop, so the job ends with what it started
         i = wait_for(tail, i, lambda r: r.get("event") == "resize" and r.get("ok")
@@ -288,17 +296,7 @@ def ulfm_failures(tmp: str, kills: int, timeout: float, settle_steps: int, out: 
             pid = _launch_rank_pids(proc.pid)[rank]
             os.kill(pid, signal.SIGKILL)
             killed = time.time()
-            i = wait_for(tail, i, lambda r: r.get("event") == "failure",
-                         f"a failure line after killing rank {rank} (kill {k + 1})",
-                         timeout, alive)
-            fail = tail.rows[i]
-            if not fail.get("recovered"):
-                raise SystemExit(f"failure benchmark: the job did not recover: {fail}")
-            recovered = fail["recovered_unix"]
-            i = wait_for(tail, i + 1, lambda r: r.get("event") == "step"
-                         and r["unix_time"] >= recovered,
-                         f"a step after the recovery (kill {k + 1})", timeout, alive)
-            step = tail.rows[i]
+            _, row = measure_recovery(tail, i, killed, rank, f"kill {k + 1}", timeout, alive)
             with open(stop, "w"):
                 pass
             rc = proc.wait(timeout=timeout)
@@ -313,17 +311,9 @@ def ulfm_failures(tmp: str, kills: int, timeout: float, settle_steps: int, out: 
             continue
         finally:
             end_group(proc)
-        detect = fail["detected_unix"] - killed
-        resumed = step["unix_time"] - step["step_time_s"]
-        recover = resumed - fail["detected_unix"]
-        out.append({"killed_rank": rank, "dead": fail.get("dead"), "detect_s": detect,
-                    "recover_s": recover, "kill_to_resume_s": detect + recover,
-                    "kill_to_step_end_s": step["unix_time"] - killed,
-                    "recovery_s": fail.get("recovery_s"), "rolled_back_to": fail.get("step"),
-                    "first_step": step["step"], "first_step_world": step["world_size"],
-                    "first_step_time_s": step.get("step_time_s"), "job": k + 1})
-        print(f"  hpcadapt (Open MPI, ULFM) kill {k + 1}: rank {rank} detect {detect:.3f} s, "
-              f"recover {recover:.3f} s", flush=True)
+        out.append(dict(row, job=k + 1))
+        print(f"  hpcadapt (Open MPI, ULFM) kill {k + 1}: rank {rank} detect "
+              f"{row['detect_s']:.3f} s, recover {row['recover_s']:.3f} s", flush=True)
     return crashed
 
 
