@@ -425,7 +425,7 @@ class Job:
                          self.world.size, self.state.hyper.batch_size,
                          self.state.strategy.describe(),
                          ", ".join(p.name for p in self.engine.policies) or "none")
-                log.info("%s", flavour().startup_line())
+                log.info("%s", flavour().startup_line(o.on_failure == "recover"))
         return self
 
     def _start_size(self) -> tuple:

@@ -82,9 +82,9 @@ def _hook(kind, value, tb) -> None:
     cleanly, printed once; any other aborts all ranks."""
     if issubclass(kind, (KeyboardInterrupt, SystemExit)):
         return sys.__excepthook__(kind, value, tb)
-    _arm_last_resort()
     if _failure_handler is not None:
-        _failure_handler(value)
+        _failure_handler(value)  # may save a checkpoint: not bounded here
+    _arm_last_resort()
     from .errors import HpcAdaptError
 
     rank, size, comm = _where()
@@ -110,11 +110,10 @@ def _hook(kind, value, tb) -> None:
 
 def _arm_last_resort() -> None:
     """End this process ``_ABORT_GRACE_S`` seconds from now whatever it is doing: MPI_Abort
-    (and the clean Finalize of a shared verdict) normally ends it at once, but CI-style runs
-    hung 300-600 s twice in the rank-1-raises test with loader workers, a 10-s timer thread
-    armed before MPI_Abort notwithstanding (a call that holds the interpreter stops every
-    thread). SIGALRM's default action ends the process in the kernel; its launcher then
-    ends the others."""
+    (and the clean Finalize of a shared verdict) normally ends it at once; should either
+    block inside a call that holds the interpreter, the timer thread below could not run,
+    while SIGALRM's default action ends the process in the kernel. Its launcher then ends
+    the others."""
     import signal
 
     try:

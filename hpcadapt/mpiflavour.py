@@ -12,7 +12,8 @@ from . import config
 
 __all__ = ["MPIFlavour", "flavour", "ULFM_LAUNCH"]
 
-# The launch that turns Open MPI's fault tolerance on (README "Surviving failures").
+# The launch that turns Open MPI's fault tolerance on (README "Any rank's death under one
+# launch").
 ULFM_LAUNCH = "mpirun --with-ft ulfm --mca async_mpi_finalize 1 -n N python ..."
 
 
@@ -28,17 +29,21 @@ class MPIFlavour:
     def open_mpi(self) -> bool:
         return self.name == "Open MPI"
 
-    def startup_line(self) -> str:
-        """One line for the start of a job: the MPI and what a dead rank does to the job."""
+    def startup_line(self, recover: bool = True) -> str:
+        """One line for the start of a job: the MPI and what a dead rank does to the job
+        (``recover``: --on-failure recover)."""
         head = f"MPI: {self.name} {self.version}"
         if self.ulfm:
-            return (f"{head} with ULFM fault tolerance: any rank's death is survived in "
-                    f"place (with --on-failure recover)")
+            return (f"{head} with ULFM fault tolerance: " +
+                    ("any rank's death is survived in place" if recover else
+                     "a rank's death ends the job (--on-failure stop)"))
         if self.open_mpi:
             return (f"{head} without fault tolerance: a rank's death ends the job; launch "
                     f"with `{ULFM_LAUNCH}` to survive it")
-        return (f"{head}: a rank of the first launch that dies ends the job (state saved "
-                f"with --checkpoint); joined workers' deaths are survived")
+        return (f"{head}: a rank of the first launch that dies ends that whole launch (what "
+                f"--checkpoint-every last saved remains); workers that joined as launches "
+                f"of their own are " + ("survived" if recover else "not survived "
+                                        "(--on-failure stop)"))
 
 
 @lru_cache(maxsize=1)
