@@ -107,8 +107,8 @@ def _assert_recovered(run, killed_ranks, killed_pids, n, epochs=EPOCHS):
     return failures[0]
 
 
-@pytest.mark.parametrize("victims", [[0], [1], [3], [1, 2]],
-                         ids=["rank0", "middle", "last", "two-at-once"])
+@pytest.mark.parametrize("victims", [[0], [1], [3], [1, 2], [0, 1, 3]],
+                         ids=["rank0", "middle", "last", "two-at-once", "all-but-one"])
 def test_the_entry_point_survives_the_death_of_any_rank(tmp_path, victims):
     run = Launch(tmp_path, 4, ENTRY)
     run.wait_for_step(60)
@@ -215,5 +215,6 @@ def test_a_rank_killed_inside_a_slurm_job_is_survived(cluster, tmp_path, cancel_
     final = JobWatcher().wait_until_gone(job, 300)
     assert final.state == "COMPLETED", said()[-3000:]
     assert said().count("died (") == 1, said()[-3000:]
+    assert "NBC_Progress" not in said()  # the runtime's noise is filtered by the script
     summary = json.loads([l for l in said().splitlines() if l.startswith("{")][-1])
     assert summary["world_size"] == 2
