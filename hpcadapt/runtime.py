@@ -216,9 +216,30 @@ def init(comm: Optional[MPI.Intracomm] = None) -> World:
     from .lifecycle import install_abort_on_exception
 
     install_abort_on_exception()  # an exception on one rank ends them all, never a hang
+    if ULFM:
+        import atexit
+
+        atexit.register(_bound_finalize)  # runs before mpi4py's MPI_Finalize (LIFO)
     base = comm if comm is not None else MPI.COMM_WORLD
     _world = World(base.Dup())
     return _world
+
+
+FINALIZE_BOUND_S = 60
+
+
+def _bound_finalize() -> None:
+    """Under ULFM, survivors of a recovery sometimes hung in MPI_Finalize (field notes: 8 of
+    55 exits without ``--mca async_mpi_finalize 1``): at the interpreter's exit the kernel
+    ends the process FINALIZE_BOUND_S seconds later should MPI_Finalize not return (SIGALRM,
+    exit 142), instead of a job that never ends."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, FINALIZE_BOUND_S)
+    except (ValueError, OSError):
+        pass
 
 
 def is_initialized() -> bool:
