@@ -68,23 +68,43 @@ def _hostnames(nodelist: str) -> set:
     return set(show_hostnames(nodelist))
 
 
-def grow_and_release(folder: Path, mode: str, epochs: int = 40) -> dict:
-    from hpcadapt.slurm.testcluster.watch import JobWatcher
+def _resizes_made(metrics: Path) -> dict:
+    """(old size, new size) -> the resize record, of the resizes done so far."""
+    if not metrics.exists():
+        return {}
+    text = metrics.read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line]
+    return {(r["old_size"], r["new_size"]): r for r in rows
+            if r.get("event") == "resize" and r["ok"]}
+
+
+def grow_and_release(folder: Path, mode: str, timeout: float = 600) -> dict:
+    """One job grows 1 -> 3 nodes at step 5 and back to 1 after 100 steps at 3; it trains
+    until both resizes are done (its stop file then ends it): a fixed number of epochs was a
+    race with the companion jobs' start on a fast machine."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, job_state
 
     folder.mkdir(parents=True)
-    args = ["--epochs", str(epochs), "--policy", "resize-schedule", "--resize-schedule-steps",
+    stop, metrics = folder / "STOP", folder / "m.jsonl"
+    args = ["--epochs", "100000", "--policy", "resize-schedule", "--resize-schedule-steps",
             "5:3,10:1", "--resize-schedule-hold", "100", "--metrics-file", "m.jsonl",
-            "--slurm-grow", mode]
+            "--slurm-grow", mode, "--stop-file", str(stop)]
     with JobWatcher(interval=0.1) as watch:
         job = _submit(TRAIN, args, env=_env(MAX_NODES=3), cwd=str(folder))
+        deadline = time.time() + timeout
+        while not {(1, 3), (3, 1)} <= set(_resizes_made(metrics)):
+            state = job_state(job)
+            if time.time() > deadline or (state is not None and state.finished):
+                break
+            time.sleep(0.1)
+        stop.touch()
         final = watch.wait_until_gone(job, 600)
     if final.state != "COMPLETED":
         raise RuntimeError(f"job {job} ended {final.state}; see {folder}")
-    rows = [r for r in _records(folder / "m.jsonl") if r.get("event") == "resize" and r["ok"]]
-    made = {(r["old_size"], r["new_size"]): r for r in rows}
+    made = _resizes_made(metrics)
     if (1, 3) not in made or (3, 1) not in made:
-        raise RuntimeError(f"job {job} ({mode}) did not grow 1 -> 3 and shrink 3 -> 1 in "
-                           f"{epochs} epochs (resizes: {sorted(made)}); see {folder}")
+        raise RuntimeError(f"job {job} ({mode}) did not grow 1 -> 3 and shrink 3 -> 1 within "
+                           f"{timeout:.0f} s (resizes: {sorted(made)}); see {folder}")
     grow, shrink = made[(1, 3)], made[(3, 1)]
     main_lists = {o.jobs[job].nodes for o in watch.observations
                   if job in o.jobs and o.jobs[job].nodes}
@@ -127,11 +147,23 @@ def resubmit_restart(folder: Path) -> dict:
     watcher = JobWatcher()
     watcher.wait_until_gone(first, 300)
     last = max(r["step"] for r in _records(metrics) if r.get("event") == "step")
-    second = _submit(TRAIN, args + ["--max-steps", str(last + 20)], env=_env(CHECKPOINT=ckpt, MIN_NODES=3), cwd=str(folder),
-                    sbatch_options=["--nodes=3"])
-    watcher.wait_until_gone(second, 600)
-    steps = [r for r in _records(metrics) if r.get("event") == "step"]
-    after = [r for r in steps if r["unix_time"] > signalled and r["world_size"] == 3]
+    attempts = 4
+    for attempt in range(1, attempts + 1):
+        second = _submit(TRAIN, args + ["--max-steps", str(last + 20)],
+                         env=_env(CHECKPOINT=ckpt, MIN_NODES=3), cwd=str(folder),
+                         sbatch_options=["--nodes=3"])
+        watcher.wait_until_gone(second, 600)
+        steps = [r for r in _records(metrics) if r.get("event") == "step"]
+        after = [r for r in steps if r["unix_time"] > signalled and r["world_size"] == 3]
+        output = (folder / f"hpcadapt-train-{second}.out").read_text(errors="replace")
+        if after or attempt == attempts or "Fatal error in internal_Init_thread" not in output:
+            break
+        # MPICH's MPI_Init failed in the job's srun before hpcadapt ran: on the test cluster
+        # (gVisor) slurmstepd's pmi2 plugin sometimes reads a long request cut short ("mpi/pmi2:
+        # value not properly terminated in client request") and UCX's address exchange fails.
+        # The launch is submitted again, and said so.
+        print(f"  the 3-node job {second} failed in MPI_Init (its srun's PMI2 exchange); "
+              f"submitted again ({attempt} of {attempts - 1} retries)", flush=True)
     if not after:
         raise RuntimeError(f"the 3-node job {second} trained no step; see {folder}")
     first_after = after[0]
@@ -141,11 +173,7 @@ def resubmit_restart(folder: Path) -> dict:
 def run(name, extra):
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=40,
-                    help="epochs of the grow-and-release jobs (45 steps each: the grow, "
-                         "which the job trains through for seconds, 100 steps on 3 nodes and "
-                         "the shrink must fit)")
-    quick_defaults(ap, extra, repeats=1, epochs=20)  # 10 were too few once
+    quick_defaults(ap, extra, repeats=1)
     args = ap.parse_args(extra)
     from hpcadapt.slurm.testcluster.cluster import ClusterError, TestCluster, ensure_packages
 
@@ -163,11 +191,15 @@ def run(name, extra):
     SUBMITTED.clear()
     ok = False
     try:
-        runs = [grow_and_release(tmp / f"grow-{i}", "companion", args.epochs)
+        runs = [grow_and_release(tmp / f"grow-{i}", "companion")
                 for i in range(args.repeats)]
-        expand = [grow_and_release(tmp / f"expand-{i}", "expand", args.epochs)
+        expand = [grow_and_release(tmp / f"expand-{i}", "expand")
                   for i in range(args.repeats)]
-        base = resubmit_restart(tmp / "resubmit")
+        # --quick leaves the resubmit comparison out: on the test cluster here the resumed
+        # 3-node job's srun failed in MPI_Init in most runs (slurmstepd's pmi2 plugin read
+        # requests cut short: "value not properly terminated in client request"), before
+        # hpcadapt ran; the full run keeps it.
+        base = None if args.quick else resubmit_restart(tmp / "resubmit")
         ok = True
     finally:
         if not ok:
@@ -176,7 +208,8 @@ def run(name, extra):
             cluster.down()
     rows = {f"companion #{i + 1}": r for i, r in enumerate(runs)}
     rows.update({f"expand #{i + 1}": r for i, r in enumerate(expand)})
-    rows["resubmit"] = base
+    if base is not None:
+        rows["resubmit"] = base
     grow = statistics.median(r["slurm_grow_s"] for r in runs)
     release = statistics.median(r["slurm_release_s"] for r in runs)
     return {"benchmark": "slurm-resize", "rows": rows, "ratios": {
@@ -186,6 +219,6 @@ def run(name, extra):
         "slurm_release_s_max": max(r["slurm_release_s"] for r in runs),
         "expand_slurm_grow_s": statistics.median(r["slurm_grow_s"] for r in expand),
         "expand_slurm_release_s": statistics.median(r["slurm_release_s"] for r in expand),
-        "resubmit_restart_s": base["resubmit_restart_s"],
-        "resubmit_restart_vs_slurm_grow": base["resubmit_restart_s"] / grow,
+        "resubmit_restart_s": base["resubmit_restart_s"] if base else None,
+        "resubmit_restart_vs_slurm_grow": base["resubmit_restart_s"] / grow if base else None,
     }}
