@@ -22,7 +22,9 @@ import tempfile  # noqa: E402
 SESSION_TMP = tempfile.mkdtemp(prefix="hpcadapt-tests-")
 os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = None
-_NOT_LEFTOVERS = ("pytest-of-", "torchinductor_")
+# pytest's own, torch's compile cache, and Open MPI's session folder (made by MPI_Init in
+# this very process, and left by Open MPI): removed with the whole folder at the end.
+_NOT_LEFTOVERS = ("pytest-of-", "torchinductor_", "ompi.")
 
 
 def _temp_entries() -> set:
