@@ -774,7 +774,6 @@ class Job:
             MPICommunicator(self.world).allreduce(control, ReduceOp.SUM)
             broadcast_parameters(tensors, root=0, world=self.world)  # rank 0's model for all
         except world_mod.FAILURES as exc:
-            exc = world_mod.as_failure(exc)
             self._step_open = False
             self._recover(exc)  # or ends the job
             return 0
@@ -950,7 +949,6 @@ class Job:
         try:
             stats = self.optimizer.synchronize()
         except world_mod.FAILURES as exc:
-            exc = world_mod.as_failure(exc)
             self._recover(exc)  # or ends the job
             return False
         self._slow_down(self.options.slow_comm, time.perf_counter() - t1)  # --slow-comm
@@ -1000,7 +998,6 @@ class Job:
             try:
                 self.optimizer.average_models()  # local SGD: the replicas become one
             except world_mod.FAILURES as exc:
-                exc = world_mod.as_failure(exc)
                 self._recover(exc)  # the step is done on every survivor; training goes on
                 return True
         t3 = time.perf_counter()
@@ -1158,7 +1155,6 @@ class Job:
             if plan_text:
                 self._apply_decided_plan(plan_text, snap, decisions)
         except world_mod.FAILURES as exc:
-            exc = world_mod.as_failure(exc)
             self._recover(exc)  # or ends the job
 
     def _apply_decided_plan(self, plan_text: str, snap, decisions) -> None:
@@ -1276,7 +1272,6 @@ class Job:
                                      root=0, world=self.world)
                 broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
             except world_mod.FAILURES as exc:
-                exc = world_mod.as_failure(exc)
                 self._recover(exc)
                 if self.world.rank == 0:
                     log.error("strategy switch %s -> %s discarded (a peer died in it); "
@@ -1289,7 +1284,6 @@ class Job:
             try:
                 broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
             except world_mod.FAILURES as exc:
-                exc = world_mod.as_failure(exc)
                 self._recover(exc)
                 return
             identical = self.replicas_identical() if self.options.check_replicas else None
@@ -1359,7 +1353,6 @@ class Job:
         try:
             status, joiners, detail = self.elastic.poll_grow()
         except world_mod.FAILURES as exc:
-            exc = world_mod.as_failure(exc)
             self._recover(exc)  # or ends the job
             return
         if status == ABANDON:
@@ -1384,7 +1377,6 @@ class Job:
                 self._record_resize(self.elastic.abandon(str(exc)))
                 return
             except world_mod.FAILURES as exc:
-                exc = world_mod.as_failure(exc)
                 if merged is None:
                     self._fail(exc)  # a rank of the running job itself failed
                 # A joiner died after it merged: back to the old world, which holds only
@@ -1455,7 +1447,7 @@ class Job:
         wait(self.world.comm.Iallreduce(MPI.IN_PLACE, one, op=MPI.SUM), self.world.watch,
              "the join's confirmation")
 
-    def _fail(self, exc: "world_mod.PeerFailure") -> None:
+    def _fail(self, exc: BaseException) -> None:
         """A peer died (or stayed silent past the deadline) in the middle of a step or a
         resize. The world's communicator cannot be used any more (MPICH neither errors nor
         completes a collective with a dead peer), so this rank ends the job: rank 0 saves
@@ -1463,6 +1455,7 @@ class Job:
         has not stepped, the cursor not moved) to --checkpoint, and every survivor exits
         with 75 so that the job script requeues and resumes from it. Never returns."""
         st = self.state
+        exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         detected = time.time()
         who = f"rank {exc.rank}" if exc.rank >= 0 else "a peer"
         log.error("%s of %d failed at step %d (%s); detected at %s: ending the job", who,
@@ -1508,7 +1501,7 @@ class Job:
         sys.stderr.flush()
         os._exit(code)
 
-    def _recover(self, exc: "world_mod.PeerFailure") -> None:
+    def _recover(self, exc: BaseException) -> None:
         """A peer died in the middle of a step or at its boundary. The survivors agree on
         who died (hpcadapt.recovery), form a world without it, and take the state of the
         survivor furthest on (one that finished the step in flight before the others
@@ -1519,6 +1512,7 @@ class Job:
         from . import recovery
         from .elastic import ResizeOutcome
 
+        exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         if self.options.on_failure != "recover" or exc.cause not in ("dead", "notice"):
             self._fail(exc)
         t0 = time.perf_counter()
