@@ -12,8 +12,9 @@ notice communicator (``World.notices``), which needs only live peers:
 3. the survivors build their communicator with ``MPI_Comm_create_group``, which involves the
    group's members only.
 
-A second death during these steps, or a survivor silent past the deadline, raises
-PeerFailure: the job then ends as before recovery existed (state saved, exit 75).
+A rank silent through the first round's deadline (--peer-timeout: stuck in a call with the
+dead peer) is counted dead too. A death during the second round, or survivors that disagree,
+raise PeerFailure: the job then ends as before recovery existed (state saved, exit 75).
 
 Under Open MPI with ULFM (``mpirun --with-ft ulfm``) the MPI does this itself, for any
 rank of any launch (``shrink``): the rank that saw the death revokes the world's
@@ -22,6 +23,7 @@ then gives every survivor the same communicator of the living, in the old rank o
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
@@ -30,6 +32,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .runtime import ABANDONED, NOTICE_TAG, PeerFailure, World
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Agreement", "agree", "shrink", "unrecoverable", "form_world"]
 
@@ -51,7 +55,10 @@ def agree(world: World, suspects: Iterable[int], deadline_s: float) -> Agreement
             mask[r] = 1
     t_end = time.perf_counter() + deadline_s
     for round_tag in (NOTICE_TAG, NOTICE_TAG + 1):
-        received = _exchange(world, mask, round_tag, t_end)
+        first = round_tag == NOTICE_TAG
+        received = _exchange(world, mask, round_tag,
+                             t_end if first else time.perf_counter() + deadline_s,
+                             count_silent_dead=first)
         if round_tag == NOTICE_TAG:
             for other in received.values():
                 mask |= other
@@ -66,10 +73,12 @@ def agree(world: World, suspects: Iterable[int], deadline_s: float) -> Agreement
     return Agreement(dead, tuple(r for r in range(n) if r not in dead))
 
 
-def _exchange(world: World, mask: np.ndarray, tag: int, t_end: float) -> dict:
+def _exchange(world: World, mask: np.ndarray, tag: int, t_end: float,
+              count_silent_dead: bool = False) -> dict:
     """Send ``mask`` to every rank it does not mark dead and receive theirs; a rank that
     becomes known dead meanwhile (locally, or in a mask received) is no longer waited for.
-    Requests to or from the dead are abandoned, never waited on."""
+    A rank silent past ``t_end`` is counted dead (``count_silent_dead``) or ends the
+    recovery. Requests to or from the dead are abandoned, never waited on."""
     comm, me = world.notices, world.rank
     sent = mask.copy()
     peers = [r for r in range(world.size) if r != me and not mask[r]]
@@ -90,8 +99,17 @@ def _exchange(world: World, mask: np.ndarray, tag: int, t_end: float) -> dict:
         for r in [r for r in pending if mask[r]]:
             ABANDONED.extend([pending.pop(r), buffers.pop(r)])
         if pending and time.perf_counter() > t_end:
-            raise PeerFailure(f"rank(s) {sorted(pending)} did not answer during the recovery "
-                              f"(--peer-timeout)", cause="timeout")
+            if not count_silent_dead:
+                raise PeerFailure(f"rank(s) {sorted(pending)} did not answer during the "
+                                  f"recovery (--peer-timeout)", cause="timeout")
+            # Silent for the whole deadline: as good as dead (stuck in a call with the dead
+            # peer; it ends itself at its own deadline). The second round checks that every
+            # survivor counted it so.
+            log.warning("rank(s) %s did not answer within --peer-timeout during the "
+                        "recovery: counted as dead", sorted(pending))
+            for r in list(pending):
+                mask[r] = 1
+                ABANDONED.extend([pending.pop(r), buffers.pop(r)])
         if pending:
             time.sleep(0.0005)
     return received

@@ -51,8 +51,21 @@ def _wait(predicate, proc, what, out, timeout=300):
     pytest.fail(f"no {what} within {timeout} s")
 
 
-def _results(out, ranks):
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in ranks]
+def _results(out, ranks, metrics):
+    """Each rank's result file. A joined rank is a launch of its own, which may still be
+    writing when rank 0's launch has ended: wait while a rank of the run is alive."""
+    import time
+
+    deadline = time.monotonic() + 120
+    paths = [out / f"rank{r}.json" for r in ranks]
+    while not all(p.exists() for p in paths):
+        alive = python_ranks(str(metrics))
+        if (not alive and not all(p.exists() for p in paths)) or time.monotonic() > deadline:
+            missing = [p.name for p in paths if not p.exists()]
+            pytest.fail(f"no {missing} ({len(alive)} rank(s) of the run still alive); the "
+                        f"ranks' stderr:\n{(out / 'err').read_text()[-4000:]}")
+        time.sleep(0.05)
+    return [json.loads(p.read_text()) for p in paths]
 
 
 @pytest.mark.timeout(600)
@@ -82,7 +95,7 @@ def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_
                if r.get("event") == "failure" and r.get("recovered")]
     assert len(failure) == 1, complete_rows(metrics)[-5:]
     given_up_at = failure[0]["step"]
-    got = _results(out, [0, 1])
+    got = _results(out, [0, 1], metrics)
     steps = got[0]["step_count"]
     for r in got:
         assert r["size"] == 2
@@ -105,7 +118,7 @@ def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_
     shrink = [r for r in complete_rows(metrics2) if r.get("event") == "resize"
               and r["new_size"] == 2]
     assert [r["step"] for r in shrink] == [given_up_at], shrink
-    planned = _results(out2, [0, 1])
+    planned = _results(out2, [0, 1], metrics2)
     for r, p in zip(got, planned):
         for key in ("step_count", "updates", "last_epoch", "lr", "ema", "buffers", "params"):
             assert r[key] == p[key], (key, r, p)

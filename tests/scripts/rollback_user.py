@@ -53,13 +53,15 @@ def main():
             job.extra["updates"] += 1
             body_runs += 1
     summary = job.finish(exit=False)
-    with open(os.path.join(args.result_dir, f"rank{job.rank}.json"), "w") as f:
+    path = os.path.join(args.result_dir, f"rank{job.rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump({"rank": job.rank, "size": job.size, "step_count": job.step_count,
                    "updates": job.extra["updates"], "last_epoch": scheduler.last_epoch,
                    "body_runs": body_runs, "lr": optimizer.param_groups[0]["lr"],
                    "ema": digest(ema.state_dict().values()),
                    "buffers": digest(model.buffers()), "params": digest(model.parameters()),
                    "steps": summary["steps"]}, f)
+    os.replace(path + ".tmp", path)  # whole, for a test that waits for it
 
 
 if __name__ == "__main__":
