@@ -102,6 +102,16 @@ def take_join_dir() -> Optional[str]:
     return os.environ.pop(JOIN_DIR_VARIABLE, None) or None
 
 
+SPAWNED_VARIABLE = "HPCADAPT_SPAWNED"
+
+
+def take_spawned_mark() -> bool:
+    """``HPCADAPT_SPAWNED``: set (through MPI_Comm_spawn's info) in a worker that the job
+    started with MPI_Comm_spawn to join it (Open MPI); removed once read, like the join
+    folder."""
+    return os.environ.pop(SPAWNED_VARIABLE, "") == "1"
+
+
 _STATE_TRANSPORTS = ("auto", "mpi")
 
 

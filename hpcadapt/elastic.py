@@ -12,6 +12,15 @@ Shrinking. The leavers (the highest ranks, or the ones named) take ``Split(UNDEF
 leave; the data cursor is global, so nothing is lost. A process that was launched alone (every
 joiner) exits at once; one launched together with others waits, sleeping, for its siblings.
 
+Growing on Open MPI. A worker started apart from the job cannot connect to it there (no
+shared runtime between two ``mpirun``s), so the running job starts its joiners itself: one
+collective ``MPI_Comm_spawn`` of every rank, in a thread of each so that training goes on
+while they start (about 1.2 s), over a duplicate of the world's communicator. The joiners
+build their model, say they are ready to rank 0 over the spawn's intercommunicator and wait
+for its word; at the boundary where all are ready, both sides merge that intercommunicator
+and rank 0 sends the state. A joiner that dies first, a spawn that fails, or one that takes
+longer than the join timeout is given up: the job goes on at its size.
+
 Warm spares (``--warm-spares K``). Rank 0 starts K workers ahead, each with a folder of its
 own marked ``spare``: they import, build the model and load the data like any joiner, say
 they are warm, and idle (a sleep loop, watching rank 0's pid and their folder) until a grow
@@ -40,14 +49,14 @@ from . import runtime as _rt  # noqa: F401 (first: it sets MPI's environment)
 from mpi4py import MPI  # noqa: E402
 
 from .allocator import Allocator, Worker
-from .config import JOIN_DIR_VARIABLE
+from .config import JOIN_DIR_VARIABLE, SPAWNED_VARIABLE
 from .errors import AllocationError, MembershipError
 from .mpiflavour import flavour
 from .runtime import PeerFailure as PeerFailureType
-from .runtime import PeerWatch, World, wait_request
+from .runtime import ABANDONED, PeerWatch, World, wait_request
 
-__all__ = ["ElasticController", "JoinTicket", "join_running_job", "accept_joiners",
-           "split_leavers", "ResizeOutcome", "JoinAborted"]
+__all__ = ["ElasticController", "JoinTicket", "join_running_job", "join_spawning_job",
+           "accept_joiners", "split_leavers", "ResizeOutcome", "JoinAborted"]
 
 log = logging.getLogger(__name__)
 
@@ -344,6 +353,125 @@ class _JoinerWatch:
         watch.wait(request, what, deadline_s)
 
 
+_READY_TAG = 7709   # a spawned joiner to rank 0: ready (its pid)
+_WORD_TAG = 7710    # rank 0 to a spawned joiner: GO (merge now) or GIVE_UP
+GO, GIVE_UP = 1, 0
+
+
+class _SpawnedGrow:
+    """Open MPI: the joiners of one grow, started by one collective ``MPI_Comm_spawn`` over a
+    duplicate of the world's communicator, in a thread on every rank (the spawn blocks until
+    the joiners' MPI has started; training goes on meanwhile on the world's own)."""
+
+    def __init__(self, comm: MPI.Intracomm, argv: Sequence[str], count: int):
+        self.count = count
+        self.comm = comm.Dup()
+        self.inter: Optional[MPI.Intercomm] = None
+        self.error = ""
+        self._pids = np.zeros(count, dtype=np.int64)
+        self._ready: Optional[list] = None
+        self.thread = threading.Thread(target=self._spawn, args=(list(argv),),
+                                       name="hpcadapt-spawn", daemon=True)
+        self.thread.start()
+
+    def _spawn(self, argv: List[str]) -> None:
+        info = MPI.Info.Create()
+        try:
+            info.Set("PMIX_ENVAR", f"{SPAWNED_VARIABLE}=1")  # Open MPI's key for one variable
+            info.Set("wdir", os.getcwd())
+            inter = self.comm.Spawn(sys.executable, args=argv, maxprocs=self.count,
+                                    info=info, root=0)
+            inter.Set_errhandler(MPI.ERRORS_RETURN)
+            self.inter = inter
+        except MPI.Exception as exc:
+            self.error = f"MPI_Comm_spawn failed: {exc.Get_error_string()}"
+        finally:
+            info.Free()
+
+    def ready(self) -> Tuple[bool, str]:
+        """Rank 0: (all joiners ready, why the grow cannot go on: "" while it can)."""
+        if self.thread.is_alive():
+            return False, ""
+        if self.error:
+            return False, self.error
+        if self._ready is None:
+            self._ready = [self.inter.Irecv(self._pids[i:i + 1], source=i, tag=_READY_TAG)
+                           for i in range(self.count)]
+        try:
+            done = [req.Test() for req in self._ready]
+        except MPI.Exception as exc:
+            return False, f"a spawned joiner died before it was ready ({exc.Get_error_string()})"
+        return all(done), ""
+
+    def merge(self) -> MPI.Intracomm:
+        """Every rank of the running job: tell the joiners to go, merge, let go of the spawn's
+        intercommunicator (both sides must, or the joiners hang at exit)."""
+        self.thread.join()  # returned or about to: the spawn is collective
+        if self.inter is None:
+            raise JoinAborted(self.error or "the spawn did not return")
+        if self.comm.Get_rank() == 0:
+            for i in range(self.count):
+                word = np.array([GO], dtype=np.int64)
+                ABANDONED.extend([word, self.inter.Isend(word, dest=i, tag=_WORD_TAG)])
+        try:
+            merged = self.inter.Merge(high=False)
+        except MPI.Exception as exc:
+            self.give_up()
+            raise JoinAborted(f"a spawned joiner died while it merged "
+                              f"({exc.Get_error_string()})") from None
+        self.inter.Disconnect()
+        self.comm.Free()
+        return merged
+
+    def give_up(self, wait_s: float = 0.0) -> None:
+        """Every rank: the joiners are told to exit (rank 0); the spawn's communicators are
+        left unfreed (a dead joiner would make freeing wait). ``wait_s``: for a spawn still
+        under way to return first (a process that exits during its spawn fails the launch)."""
+        self.thread.join(timeout=wait_s)
+        if self.inter is not None and self.comm.Get_rank() == 0:
+            for i in range(self.count):
+                word = np.array([GIVE_UP], dtype=np.int64)
+                try:
+                    ABANDONED.extend([word, self.inter.Isend(word, dest=i, tag=_WORD_TAG)])
+                except MPI.Exception:
+                    pass  # that joiner is dead
+        ABANDONED.extend([self.inter, self.comm, self.thread])
+
+
+def join_spawning_job(deadline_s: float) -> MPI.Intracomm:
+    """In a worker the job spawned (Open MPI): say it is ready to rank 0, wait for its word
+    (bounded by ``deadline_s``; the job's death is an MPI error under ULFM) and merge with
+    the job; returns the job's new communicator. The state comes next, from rank 0."""
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise MembershipError(f"{SPAWNED_VARIABLE} is set but this process was not started "
+                              f"by MPI_Comm_spawn")
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    pid = np.array([os.getpid()], dtype=np.int64)
+    word = np.array([GIVE_UP], dtype=np.int64)
+    try:
+        sent = parent.Isend(pid, dest=0, tag=_READY_TAG)
+        heard = parent.Irecv(word, source=0, tag=_WORD_TAG)
+        t_end = time.perf_counter() + deadline_s
+        while not heard.Test():
+            if time.perf_counter() > t_end:
+                raise MembershipError(f"no word from the job within {deadline_s:.0f} s")
+            time.sleep(0.005)
+        sent.Wait()
+    except MPI.Exception as exc:
+        raise MembershipError(f"the job that spawned this worker is gone "
+                              f"({exc.Get_error_string()})") from None
+    if word[0] != GO:
+        raise MembershipError("the job gave the grow up")
+    try:
+        merged = parent.Merge(high=True)
+    except MPI.Exception as exc:
+        raise MembershipError(f"the merge with the job failed ({exc.Get_error_string()})") \
+            from None
+    parent.Disconnect()
+    return merged
+
+
 def split_leavers(comm: MPI.Intracomm, leavers: Sequence[int]) -> Optional[MPI.Intracomm]:
     """Collective: the ranks in ``leavers`` get None, the others a communicator in rank order."""
     me = comm.Get_rank()
@@ -377,6 +505,9 @@ class ElasticController:
         self._clip_logged = False
         self.growing = False   # known on every rank: a grow is pending
         self.left = False      # this process has left the job
+        # Open MPI: joiners are spawned by the job (every rank holds the pending spawn)
+        self.spawns = flavour().open_mpi
+        self._spawned: Optional[_SpawnedGrow] = None
 
     # -- requests (every rank, at the same point) -----------------------------------------
     def clip(self, new_size: int, reason: str) -> Optional[int]:
@@ -405,14 +536,8 @@ class ElasticController:
         """Every rank: mark the grow pending; rank 0 takes its spares (``--warm-spares``)
         and launches joiners for the rest. A launch that fails is reported on every rank
         (rank 0 broadcasts it) and nothing changes."""
-        if flavour().open_mpi:
-            # A worker started from here cannot connect to this launch under the PyPI Open
-            # MPI's runtime (the field notes); growing there is Spawn's, not built yet.
-            self._refuse(f"grow to {target} refused ({reason}): growing is not available on "
-                         f"Open MPI yet (use MPICH for jobs that grow); training goes on "
-                         f"with {self.world.size} workers")
-            return ResizeOutcome(self.world.size, target,
-                                 f"{reason}; refused: no grow on Open MPI yet", 0.0, False)
+        if self.spawns:
+            return self._start_spawned_grow(target, reason)
         error = ""
         if self.world.rank == 0:
             count = target - self.world.size
@@ -455,12 +580,35 @@ class ElasticController:
         self.growing = True
         return None
 
+    def _start_spawned_grow(self, target: int, reason: str) -> Optional[ResizeOutcome]:
+        """Every rank (Open MPI): start the collective spawn of the joiners in the
+        background (a worker started from outside cannot connect to this launch there)."""
+        count = target - self.world.size
+        now = time.perf_counter()
+        self._spawned = _SpawnedGrow(self.world.comm, self.joiner_argv, count)
+        self.pending = _PendingGrow(target, reason, "", [], [], now, now + self.join_timeout)
+        if self.world.rank == 0:
+            log.info("grow %d -> %d: spawning %d joining workers (%s)", self.world.size,
+                     target, count, reason)
+        self.growing = True
+        return None
+
     # -- at every step boundary ---------------------------------------------------------------
     def poll_grow(self) -> Tuple[int, int, str]:
         """Every rank: (status, joiners, detail) agreed through rank 0. JOIN: accept now."""
         status = np.array([WAITING, 0], dtype=np.int64)
         detail = ""
-        if self.world.rank == 0 and self.pending is not None:
+        if self.world.rank == 0 and self._spawned is not None:
+            ready, why = self._spawned.ready()
+            if why:
+                status[0], detail = ABANDON, why
+            elif ready:
+                status[:] = (JOIN, self._spawned.count)
+            elif time.perf_counter() > self.pending.deadline:
+                status[0] = ABANDON
+                detail = (f"the spawned joining workers were not ready after "
+                          f"{self.join_timeout:.0f} s")
+        elif self.world.rank == 0 and self.pending is not None:
             p = self.pending
             dead = [(i, w.failed()) for i, w in enumerate(p.workers) if w.failed()]
             ready = [os.path.exists(t.ready_file()) for t in p.tickets]
@@ -478,7 +626,15 @@ class ElasticController:
         return int(status[0]), int(status[1]), detail
 
     def join(self, count: int, on_bridge=None) -> MPI.Intracomm:
-        """Every rank of the running job: accept the joiners; returns the new communicator."""
+        """Every rank of the running job: accept the joiners; returns the new communicator.
+        Joiners that were spawned (Open MPI) merge at once; the caller then sends them the
+        state (``on_bridge`` is for joiners that connect through the port)."""
+        if self._spawned is not None:
+            try:
+                return self._spawned.merge()
+            finally:
+                self._spawned = None
+                self._finish_grow()
         port = self.pending.port if self.pending is not None else ""
         tickets = self.pending.tickets if self.pending is not None else []
         workers = self.pending.workers if self.pending is not None else []
@@ -488,7 +644,10 @@ class ElasticController:
         self._finish_grow()
         return new
 
-    def abandon(self, detail: str) -> ResizeOutcome:
+    def abandon(self, detail: str, wait_s: float = 0.0) -> ResizeOutcome:
+        """Every rank: give the pending grow up. ``wait_s``: how long a spawn still under way
+        (Open MPI) may take to return, so that its joiners hear the word before this
+        process exits (at the end of training; a recovery cannot wait on it)."""
         target = self.pending.target if self.pending is not None else -1
         reason = self.pending.reason if self.pending is not None else ""
         if self.world.rank == 0:
@@ -496,12 +655,16 @@ class ElasticController:
                       target, reason, detail, self.world.size)
             for w in self.pending.workers:
                 w.stop()
+        if self._spawned is not None:
+            self._spawned.give_up(wait_s)
+            self._spawned = None
         self._finish_grow()
         return ResizeOutcome(self.world.size, target, f"{reason}; abandoned: {detail}", 0.0, False)
 
     def _finish_grow(self) -> None:
-        if self.pending is not None:
+        if self.pending is not None and self.pending.port:
             MPI.Close_port(self.pending.port)
+        if self.pending is not None:
             for directory in sorted({t.directory for t in self.pending.tickets}):
                 _remove_folder(directory)
         self.pending = None
@@ -524,6 +687,12 @@ class ElasticController:
         A spare that died is dropped; one that dies before it was ever warm stops the
         spares altogether (the same start-up would fail again), with the reason."""
         if self.world.rank != 0 or self.warm_spares <= 0 or self.growing:
+            return
+        if self.spawns:
+            log.warning("--warm-spares is not available on Open MPI yet (joiners are spawned "
+                        "by the whole job when it grows, about 1.2 s in the background): "
+                        "no spares are kept")
+            self.warm_spares = 0
             return
         for ticket, worker in list(self.spares):
             why = worker.failed()

@@ -190,6 +190,7 @@ class Job:
         if why:  # the same flags on every rank: said once, by rank 0
             raise on_every_rank(ConfigurationError(why))
         self._join_dir = config.take_join_dir()
+        self._spawned_to_join = config.take_spawned_mark()  # Open MPI's grow
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period,
                                            o.max_delay, o.async_round_steps)
@@ -201,7 +202,7 @@ class Job:
             if not (math.isfinite(factor) and factor >= 1.0):
                 raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
                                          f"(2 makes the rank take twice as long)")
-        self.joining = self._join_dir is not None
+        self.joining = self._join_dir is not None or self._spawned_to_join
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
         self.stop_signals: Optional[StopSignals] = StopSignals.named(
@@ -1372,6 +1373,8 @@ class Job:
                     # whole job takes it in: a joiner dying until then is abandoned.
                     merged = self.elastic.join(joiners, self._send_state_over_bridge)
                     self.world.replace(merged, keep_old=True)
+                    if self.elastic.spawns:  # spawned joiners take the state now
+                        self._sync_state(receiving=False)
                     self._confirm_join()
             except JoinAborted as exc:
                 self._record_resize(self.elastic.abandon(str(exc)))
@@ -1663,6 +1666,9 @@ class Job:
 
         from .elastic import JoinAborted
 
+        if self._spawned_to_join:
+            self._join_spawned()
+            return
         self._drop_spawn_parent()
         try:
             ticket = JoinTicket.claim(self._join_dir)
@@ -1689,6 +1695,36 @@ class Job:
             logging.shutdown()
             sys.stderr.flush()
             os._exit(3)
+        self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
+        log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
+                 self.state.step)
+
+    def _join_spawned(self) -> None:
+        """A worker the job spawned (Open MPI): ready, merge, receive the state from rank 0.
+        The wait for the job's word lasts as long as the job waits for its joiners."""
+        from .elastic import ResizeOutcome, join_spawning_job
+
+        def give_up(reason) -> None:
+            log.error("the join was given up (%s): this worker exits", reason)
+            logging.shutdown()
+            sys.stderr.flush()
+            os._exit(3)
+
+        try:
+            merged = join_spawning_job(self.options.join_timeout + self.options.peer_timeout)
+        except MembershipError as exc:
+            # The job gave the grow up, or ended: nothing failed here. This process's exit
+            # is part of the launch's (mpirun's), whose code is the training's: exit 0
+            # through MPI_Finalize (Open MPI counts an exit without it as a failure).
+            log.info("not joining (%s): this worker exits", exc)
+            sys.exit(0)
+        try:
+            with world_mod.Watchdog(self.options.peer_timeout, "joining the job", give_up):
+                self.world.replace(merged)
+                self._sync_state(receiving=True)
+                self._confirm_join()
+        except world_mod.FAILURES as exc:
+            give_up(exc)
         self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
@@ -1773,7 +1809,8 @@ class Job:
     def _finish_elastic(self) -> None:
         """A grow still pending when training ends is abandoned on every rank."""
         if self.elastic is not None and self.elastic.growing and not self.left:
-            self._record_resize(self.elastic.abandon("training ended first"))
+            self._record_resize(self.elastic.abandon("training ended first",
+                                                     wait_s=self.options.peer_timeout))
 
     def _leave(self) -> None:
         """This rank left the job in a shrink: nothing of it is needed any more."""
@@ -1791,9 +1828,13 @@ class Job:
         # middle of their own exit now and then (exit 9 after a shrink of the first
         # launch). A rank alone in its launch skips the interpreter's teardown (about 0.7 s
         # with torch loaded), which gives the node back to Slurm that much sooner.
+        # Open MPI's launcher counts a process that ends without MPI_Finalize as a failure
+        # of the launch (exit 1): there every leaver goes through the normal exit.
         from mpi4py import MPI
 
-        if MPI.COMM_WORLD.Get_size() > 1:
+        from .mpiflavour import flavour
+
+        if MPI.COMM_WORLD.Get_size() > 1 or flavour().open_mpi:
             sys.exit(0)
         os._exit(0)
 
