@@ -42,15 +42,13 @@ $(STAMP): setup.py pyproject.toml
 # noise scale exceeds it (up to 256), the sqrt rule moves the learning rate with it, and
 # resize-schedule grows the job to 3 workers at step 1 (the joiner starts while the others
 # train) and shrinks it back to 2 after 200 steps at 3. Then the plot of what happened.
-# On Open MPI (MPI=openmpi) the job cannot grow yet: the same run without resize-schedule.
+# On Open MPI (MPI=openmpi) the joiner is spawned by the job (MPI_Comm_spawn).
 DEMO_FLAGS := --model cnn --dataset mnist1d --samples 10000 --epochs 30 \
 	--batch-size 16 --lr 0.02 --threads 1 --no-progress \
 	--policy gns-batch --gns-batch-max 256 --gns-batch-warmup 10 --gns-batch-interval 5 \
-	--gns-batch-cooldown 40 --lr-rule sqrt
-ifeq ($(MPI),mpich)
-DEMO_FLAGS += --max-workers 3 --policy resize-schedule --resize-schedule-steps 1:3,2:2 \
+	--gns-batch-cooldown 40 --lr-rule sqrt \
+	--max-workers 3 --policy resize-schedule --resize-schedule-steps 1:3,2:2 \
 	--resize-schedule-hold 200
-endif
 
 demo: $(STAMP)
 	rm -f demo-metrics.jsonl demo.png

@@ -2296,7 +2296,15 @@ def _build_allocator(options: JobOptions, rank: int):
     Slurm needs its commands and a job to live in; without them it says why in one line
     (rank 0) and the job uses the local allocator."""
     from .allocator import LocalAllocator
+    from .mpiflavour import flavour
 
+    if flavour().open_mpi:
+        # A grow spawns its joiners from the job (mpirun places them on the nodes it was
+        # given): no companion allocations, whose workers could not connect there.
+        if options.allocator == "slurm" and rank == 0:
+            log.warning("--allocator slurm is not available on Open MPI: a grow spawns its "
+                        "workers within this job's allocation (up to --max-workers)")
+        return LocalAllocator(options.max_workers, launcher=options.launcher), None
     if options.allocator in ("auto", "slurm"):
         from hpcadapt.slurm import SlurmAllocator, in_slurm_job, slurm_available
 

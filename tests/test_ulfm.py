@@ -45,7 +45,7 @@ class Launch:
         self.err_path = self.dir / "err"
         args = program + ["--on-failure", "recover", "--metrics-file", str(self.metrics),
                           "--sample-log", str(self.samples)]
-        if program is USER:
+        if program[0] == USER[0]:
             args += ["--result-dir", str(self.dir)]
         self._err = open(self.err_path, "w")
         self.proc = subprocess.Popen(MPIRUN + ["-n", str(n), sys.executable] + args,
@@ -153,17 +153,78 @@ def test_rank_0_dies_under_every_strategy_and_topology(tmp_path, flags):
     _assert_recovered(run, [0], pids, 3, epochs=3)
 
 
-def test_a_replacement_that_cannot_be_started_leaves_training_at_the_smaller_size(tmp_path):
-    """--replace-failed on Open MPI: growing is not built there yet; one line says so and
-    the survivors finish."""
-    run = Launch(tmp_path, 3, _short(3, "--max-workers", "3", "--replace-failed"))
-    run.wait_for_step(50)
-    pids = run.kill([1])
-    _assert_recovered(run, [1], pids, 3, epochs=3)
-    refused = [r for r in run.rows("resize") if not r["ok"]]
-    assert [r["reason"] for r in refused] == \
-        ["replacing failed rank(s) [1]; refused: no grow on Open MPI yet"], refused
-    assert run.stderr().count("growing is not available on Open MPI yet") == 1
+def _wait_for(run, predicate, what, timeout=300):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        if run.proc.poll() is not None:
+            pytest.fail(f"the job ended (code {run.proc.returncode}) before {what}:\n"
+                        f"{run.stderr()[-4000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"no {what} within {timeout} s:\n{run.stderr()[-4000:]}")
+
+
+def test_replace_failed_grows_back_to_the_target_with_identical_replicas(tmp_path):
+    """A rank of 4 SIGKILLed; the 3 survivors shrink in place, then spawn a replacement
+    (MPI_Comm_spawn from the shrunk communicator, merged at a step boundary) and train on
+    at 4 with bit-identical replicas; the stop file ends the job with exit 0."""
+    stop = tmp_path / "STOP"
+    run = Launch(tmp_path, 4, _short(1000, "--max-workers", "4", "--replace-failed",
+                                     "--stop-file", str(stop)))
+    run.wait_for_step(30)
+    pids = run.kill([2])
+
+    def grown_back():
+        return [r for r in run.rows("resize") if r["ok"] and r["old_size"] == 3
+                and r["new_size"] == 4]
+
+    grown = _wait_for(run, grown_back, "the grow back to 4")[0]
+    run.wait_for_step(grown["step"] + 20)
+    stop.write_text("")
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], f["dead"]) for f in failures] == [(True, [2])], failures
+    assert grown["replicas_identical"] is True, grown
+    assert grown["reason"] == "replacing failed rank(s) [2]", grown
+    assert not [p for p in pids if alive(p)]
+    steps = run.rows("step")
+    assert steps[-1]["world_size"] == 4 and steps[-1]["step"] > grown["step"], steps[-1]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 4
+    every_sample_once(run.samples)
+
+
+def test_a_users_script_grows_and_shrinks_on_open_mpi(tmp_path):
+    """The user's own script, launched on 2 ranks: a schedule grows it to 4 (spawned
+    joiners, merged when ready) and then shrinks it to 3; the stop file ends it. Every rank
+    finishes with the same parameters, buffers and EMA, and each committed step ran the
+    loop body once."""
+    stop = tmp_path / "STOP"
+    at = USER.index("--epochs") + 1
+    program = USER[:at] + ["1000"] + USER[at + 1:] + [
+        "--max-workers", "4", "--policy", "resize-schedule", "--resize-schedule-steps",
+        "5:4,6:3", "--stop-file", str(stop)]
+    run = Launch(tmp_path, 2, program)
+
+    def shrunk():
+        return [r for r in run.rows("resize") if r["ok"] and r["new_size"] == 3]
+
+    run.wait_for_step(_wait_for(run, shrunk, "the shrink to 3")[0]["step"] + 20)
+    stop.write_text("")
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    sizes = [(r["old_size"], r["new_size"], r["ok"]) for r in run.rows("resize")]
+    assert sizes == [(2, 4, True), (4, 3, True)], run.rows("resize")
+    results = [json.loads((run.dir / f"rank{r}.json").read_text()) for r in range(3)]
+    for r in results:
+        assert r["size"] == 3 and r["updates"] == r["step_count"] == r["last_epoch"], r
+    assert len({(r["params"], r["buffers"], r["ema"]) for r in results}) == 1, results
+    every_sample_once(run.samples)
 
 
 def test_twenty_random_kills_are_each_survived(tmp_path):
