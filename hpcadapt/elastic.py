@@ -354,19 +354,22 @@ class _JoinerWatch:
 
 
 _READY_TAG = 7709   # a spawned joiner to rank 0: ready (its pid)
-_WORD_TAG = 7710    # rank 0 to a spawned joiner: GO (merge now) or GIVE_UP
+_WORD_TAG = 7710    # rank 0 to a spawned joiner: [GO or GIVE_UP, its place, joiners]
+_CHAIN_TAG = 7711   # the intercommunicators that chain the joiners into one world
 GO, GIVE_UP = 1, 0
 
 
 class _SpawnedGrow:
-    """Open MPI: the joiners of one grow, started by one collective ``MPI_Comm_spawn`` over a
-    duplicate of the world's communicator, in a thread on every rank (the spawn blocks until
-    the joiners' MPI has started; training goes on meanwhile on the world's own)."""
+    """Open MPI: the joiners of one grow, each started by a collective ``MPI_Comm_spawn`` of
+    its own (Open MPI's runtime ends every process of a spawn when one of them dies, so
+    one spawn per joiner keeps their deaths apart), over a duplicate of the world's
+    communicator, from a thread on every rank (a spawn blocks until the joiner's MPI has
+    started; training goes on meanwhile on the world's own communicator)."""
 
     def __init__(self, comm: MPI.Intracomm, argv: Sequence[str], count: int):
         self.count = count
         self.comm = comm.Dup()
-        self.inter: Optional[MPI.Intercomm] = None
+        self.inters: List[MPI.Intercomm] = []
         self.error = ""
         self._pids = np.zeros(count, dtype=np.int64)
         self._ready: Optional[list] = None
@@ -379,10 +382,11 @@ class _SpawnedGrow:
         try:
             info.Set("PMIX_ENVAR", f"{SPAWNED_VARIABLE}=1")  # Open MPI's key for one variable
             info.Set("wdir", os.getcwd())
-            inter = self.comm.Spawn(sys.executable, args=argv, maxprocs=self.count,
-                                    info=info, root=0)
-            inter.Set_errhandler(MPI.ERRORS_RETURN)
-            self.inter = inter
+            for _ in range(self.count):
+                inter = self.comm.Spawn(sys.executable, args=argv, maxprocs=1, info=info,
+                                        root=0)
+                inter.Set_errhandler(MPI.ERRORS_RETURN)
+                self.inters.append(inter)
         except MPI.Exception as exc:
             self.error = f"MPI_Comm_spawn failed: {exc.Get_error_string()}"
         finally:
@@ -395,8 +399,8 @@ class _SpawnedGrow:
         if self.error:
             return False, self.error
         if self._ready is None:
-            self._ready = [self.inter.Irecv(self._pids[i:i + 1], source=i, tag=_READY_TAG)
-                           for i in range(self.count)]
+            self._ready = [inter.Irecv(self._pids[i:i + 1], source=0, tag=_READY_TAG)
+                           for i, inter in enumerate(self.inters)]
         try:
             done = [req.Test() for req in self._ready]
         except MPI.Exception as exc:
@@ -404,51 +408,69 @@ class _SpawnedGrow:
         return all(done), ""
 
     def merge(self) -> MPI.Intracomm:
-        """Every rank of the running job: tell the joiners to go, merge, let go of the spawn's
-        intercommunicator (both sides must, or the joiners hang at exit)."""
+        """Every rank of the running job: tell the joiners to go and merge with them, one
+        after the other (each merge gives the parents and one joiner a communicator over
+        which the world so far and that joiner build an intercommunicator), letting go of
+        each spawn's intercommunicator (both sides must, or the joiners hang at exit)."""
         self.thread.join()  # returned or about to: the spawn is collective
-        if self.inter is None:
+        if self.error or len(self.inters) < self.count:
             raise JoinAborted(self.error or "the spawn did not return")
-        if self.comm.Get_rank() == 0:
-            for i in range(self.count):
-                word = np.array([GO], dtype=np.int64)
-                ABANDONED.extend([word, self.inter.Isend(word, dest=i, tag=_WORD_TAG)])
+        parents = self.comm.Get_size()
+        current = self.comm
         try:
-            merged = self.inter.Merge(high=False)
+            if self.comm.Get_rank() == 0:
+                # Completed before the merge: a request left on a spawn's intercommunicator
+                # after its Disconnect crashed Open MPI's revoke when a joiner later died.
+                for i, inter in enumerate(self.inters):
+                    inter.Send(np.array([GO, i, self.count], dtype=np.int64), dest=0,
+                               tag=_WORD_TAG)
+            for inter in self.inters:
+                pair = inter.Merge(high=False)   # the parents, then this joiner
+                if self.count == 1:
+                    current = pair
+                else:
+                    link = current.Create_intercomm(0, pair, parents, tag=_CHAIN_TAG)
+                    merged = link.Merge(high=False)
+                    link.Free()
+                    pair.Free()
+                    if current is not self.comm:
+                        current.Free()
+                    current = merged
+                inter.Disconnect()
         except MPI.Exception as exc:
             self.give_up()
             raise JoinAborted(f"a spawned joiner died while it merged "
                               f"({exc.Get_error_string()})") from None
-        self.inter.Disconnect()
         self.comm.Free()
-        return merged
+        return current
 
     def give_up(self, wait_s: float = 0.0) -> None:
         """Every rank: the joiners are told to exit (rank 0); the spawn's communicators are
         left unfreed (a dead joiner would make freeing wait). ``wait_s``: for a spawn still
         under way to return first (a process that exits during its spawn fails the launch)."""
         self.thread.join(timeout=wait_s)
-        if self.inter is not None and self.comm.Get_rank() == 0:
-            for i in range(self.count):
-                word = np.array([GIVE_UP], dtype=np.int64)
+        if self.comm.Get_rank() == 0:
+            for inter in list(self.inters):
+                word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
                 try:
-                    ABANDONED.extend([word, self.inter.Isend(word, dest=i, tag=_WORD_TAG)])
+                    ABANDONED.extend([word, inter.Isend(word, dest=0, tag=_WORD_TAG)])
                 except MPI.Exception:
                     pass  # that joiner is dead
-        ABANDONED.extend([self.inter, self.comm, self.thread])
+        ABANDONED.extend([self.inters, self.comm, self.thread])
 
 
 def join_spawning_job(deadline_s: float) -> MPI.Intracomm:
     """In a worker the job spawned (Open MPI): say it is ready to rank 0, wait for its word
-    (bounded by ``deadline_s``; the job's death is an MPI error under ULFM) and merge with
-    the job; returns the job's new communicator. The state comes next, from rank 0."""
+    (bounded by ``deadline_s``; the job's death is an MPI error under ULFM), merge with the
+    job and then take part in merging the joiners after it; returns the job's new
+    communicator. The state comes next, from rank 0."""
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
         raise MembershipError(f"{SPAWNED_VARIABLE} is set but this process was not started "
                               f"by MPI_Comm_spawn")
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     pid = np.array([os.getpid()], dtype=np.int64)
-    word = np.array([GIVE_UP], dtype=np.int64)
+    word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
     try:
         sent = parent.Isend(pid, dest=0, tag=_READY_TAG)
         heard = parent.Irecv(word, source=0, tag=_WORD_TAG)
@@ -463,13 +485,27 @@ def join_spawning_job(deadline_s: float) -> MPI.Intracomm:
                               f"({exc.Get_error_string()})") from None
     if word[0] != GO:
         raise MembershipError("the job gave the grow up")
+    place, count = int(word[1]), int(word[2])
     try:
-        merged = parent.Merge(high=True)
+        pair = parent.Merge(high=True)
+        if count == 1:
+            current = pair
+        else:
+            link = MPI.COMM_WORLD.Create_intercomm(0, pair, 0, tag=_CHAIN_TAG)
+            current = link.Merge(high=True)
+            link.Free()
+            pair.Free()
+        parent.Disconnect()
+        for _ in range(place + 1, count):   # the joiners after this one
+            link = current.Create_intercomm(0, MPI.COMM_SELF, 0, tag=_CHAIN_TAG)
+            merged = link.Merge(high=False)
+            link.Free()
+            current.Free()
+            current = merged
     except MPI.Exception as exc:
-        raise MembershipError(f"the merge with the job failed ({exc.Get_error_string()})") \
+        raise JoinAborted(f"the merge with the job failed ({exc.Get_error_string()})") \
             from None
-    parent.Disconnect()
-    return merged
+    return current
 
 
 def split_leavers(comm: MPI.Intracomm, leavers: Sequence[int]) -> Optional[MPI.Intracomm]:

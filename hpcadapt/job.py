@@ -1702,7 +1702,7 @@ class Job:
     def _join_spawned(self) -> None:
         """A worker the job spawned (Open MPI): ready, merge, receive the state from rank 0.
         The wait for the job's word lasts as long as the job waits for its joiners."""
-        from .elastic import ResizeOutcome, join_spawning_job
+        from .elastic import JoinAborted, ResizeOutcome, join_spawning_job
 
         def give_up(reason) -> None:
             log.error("the join was given up (%s): this worker exits", reason)
@@ -1718,6 +1718,8 @@ class Job:
             # through MPI_Finalize (Open MPI counts an exit without it as a failure).
             log.info("not joining (%s): this worker exits", exc)
             sys.exit(0)
+        except JoinAborted as exc:
+            give_up(exc)
         try:
             with world_mod.Watchdog(self.options.peer_timeout, "joining the job", give_up):
                 self.world.replace(merged)

@@ -22,6 +22,10 @@ import numpy as np
 # take every survivor with it; the shared-memory copy transports do the same work here
 # (ddp benchmark unchanged). Set before MPI starts; an explicit UCX_TLS is kept.
 os.environ.setdefault("UCX_TLS", "^cma")
+# Open MPI's hierarchical collectives (coll/han) hang on a communicator that joins processes
+# of separate spawns (a grow of two or more workers: each is spawned alone), so they are
+# left out; hpcadapt's own topologies do that work. An explicit OMPI_MCA_coll is kept.
+os.environ.setdefault("OMPI_MCA_coll", "^han")
 from mpi4py import MPI  # noqa: E402
 
 from . import config

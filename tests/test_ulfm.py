@@ -199,6 +199,32 @@ def test_replace_failed_grows_back_to_the_target_with_identical_replicas(tmp_pat
     every_sample_once(run.samples)
 
 
+def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_path):
+    """One rank launched, two spawned (--initial-workers 3: one spawn each, since Open MPI's
+    runtime ends every process of a spawn when one dies); the second joiner is SIGKILLed:
+    the other two finish every epoch. mpirun's exit code is then 137: it counts the killed
+    process of its spawn, and this PRRTE's option to report only the launched job's status
+    (--runtime-options report-child-jobs-separately) is refused by its own parser."""
+    run = Launch(tmp_path, 1, ENTRY + ["--max-workers", "3", "--initial-workers", "3"])
+
+    def joined():
+        return [r for r in run.rows("resize") if r["ok"] and r["new_size"] == 3]
+
+    pids = _wait_for(run, joined, "the join of the spawned workers")[0]["pids"]
+    run.wait_for_step(30)
+    os.kill(pids[2], signal.SIGKILL)
+    code = run.finish()
+    assert code == 137, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], f["dead"]) for f in failures] == [(True, [2])], failures
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == EPOCHS and summary["world_size"] == 2, summary
+    assert run.rows("step")[-1]["world_size"] == 2
+    assert "SIGTERM" not in run.stderr() and "stop signal" not in run.stderr()
+    seen = every_sample_once(run.samples)
+    assert len(seen) == EPOCHS
+
+
 def test_a_users_script_grows_and_shrinks_on_open_mpi(tmp_path):
     """The user's own script, launched on 2 ranks: a schedule grows it to 4 (spawned
     joiners, merged when ready) and then shrinks it to 3; the stop file ends it. Every rank
