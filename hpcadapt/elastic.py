@@ -448,12 +448,24 @@ class _SpawnedGrow:
         """Every rank: the joiners are told to exit (rank 0); the spawn's communicators are
         left unfreed (a dead joiner would make freeing wait). ``wait_s``: for a spawn still
         under way to return first (a process that exits during its spawn fails the launch)."""
+        t_end = time.perf_counter() + wait_s
         self.thread.join(timeout=wait_s)
-        if self.comm.Get_rank() == 0:
-            for inter in list(self.inters):
+        if self.comm.Get_rank() == 0 and not self.thread.is_alive():
+            # A joiner that reaches its first word after this process has gone blocks in
+            # Open MPI's connection set-up (PMIx_Get) for good: wait (bounded) for each
+            # joiner's ready word, then tell it, completing the send.
+            while wait_s and time.perf_counter() < t_end:
+                ready, why = self.ready()
+                if ready or why:
+                    break
+                time.sleep(0.01)
+            for inter in self.inters:
                 word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
                 try:
-                    ABANDONED.extend([word, inter.Isend(word, dest=0, tag=_WORD_TAG)])
+                    request = inter.Isend(word, dest=0, tag=_WORD_TAG)
+                    while wait_s and not request.Test() and time.perf_counter() < t_end:
+                        time.sleep(0.001)
+                    ABANDONED.extend([word, request])
                 except MPI.Exception:
                     pass  # that joiner is dead
         ABANDONED.extend([self.inters, self.comm, self.thread])

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import agent, config, lifecycle
+from . import agent, config, faults, lifecycle
 from . import runtime as world_mod
 from .collectives import ReduceOp, communicator
 from .engine import PolicyEngine
@@ -948,6 +948,7 @@ class Job:
         st = self.state
         t1 = time.perf_counter()
         try:
+            faults.point("gradient", st.step)
             stats = self.optimizer.synchronize()
         except world_mod.FAILURES as exc:
             self._recover(exc)  # or ends the job
@@ -1152,6 +1153,7 @@ class Job:
             if decisions:
                 plan_text = self.engine.plan(decisions, snap, self.world.cluster_version).to_json()
         try:
+            faults.point("plan", self.state.step)
             plan_text = _broadcast_text(plan_text, self.world)
             if plan_text:
                 self._apply_decided_plan(plan_text, snap, decisions)
@@ -1371,9 +1373,11 @@ class Job:
                 with self._join_watchdog(workers):
                     # Rank 0 sends each joiner the state over its own bridge before the
                     # whole job takes it in: a joiner dying until then is abandoned.
+                    faults.point("join", self.state.step)
                     merged = self.elastic.join(joiners, self._send_state_over_bridge)
                     self.world.replace(merged, keep_old=True)
                     if self.elastic.spawns:  # spawned joiners take the state now
+                        faults.point("state", self.state.step)
                         self._sync_state(receiving=False)
                     self._confirm_join()
             except JoinAborted as exc:
@@ -1710,8 +1714,13 @@ class Job:
             sys.stderr.flush()
             os._exit(3)
 
+        wait_s = self.options.join_timeout + self.options.peer_timeout
         try:
-            merged = join_spawning_job(self.options.join_timeout + self.options.peer_timeout)
+            # Bounded twice: the wait for the job's word has its deadline, and the kernel
+            # timer of the watchdog ends a connection set-up that blocks in Open MPI when
+            # the job is gone.
+            with world_mod.Watchdog(wait_s + 10.0, "waiting for the job's word", give_up):
+                merged = join_spawning_job(wait_s)
         except MembershipError as exc:
             # The job gave the grow up, or ended: nothing failed here. This process's exit
             # is part of the launch's (mpirun's), whose code is the training's: exit 0
@@ -1719,14 +1728,22 @@ class Job:
             log.info("not joining (%s): this worker exits", exc)
             sys.exit(0)
         except JoinAborted as exc:
-            give_up(exc)
+            # A rank of the job died during the merge: the job recovers without this worker.
+            # It ends through MPI_Finalize with 0 (Open MPI counts an exit without it as a
+            # failure of the launch, whose code is the training's); the line says why.
+            log.error("the join was given up (%s): this worker exits", exc)
+            sys.exit(0)
         try:
             with world_mod.Watchdog(self.options.peer_timeout, "joining the job", give_up):
                 self.world.replace(merged)
                 self._sync_state(receiving=True)
                 self._confirm_join()
         except world_mod.FAILURES as exc:
-            give_up(exc)
+            # A rank of the job died during the join: the job recovers without this worker,
+            # which has no state to go on with. It ends through MPI_Finalize with 0, so that
+            # the launch's exit code stays the training's (the line says what happened).
+            log.error("the join was given up (%s): this worker exits", exc)
+            sys.exit(0)
         self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
@@ -1833,8 +1850,6 @@ class Job:
         # Open MPI's launcher counts a process that ends without MPI_Finalize as a failure
         # of the launch (exit 1): there every leaver goes through the normal exit.
         from mpi4py import MPI
-
-        from .mpiflavour import flavour
 
         if MPI.COMM_WORLD.Get_size() > 1 or flavour().open_mpi:
             sys.exit(0)
@@ -2298,7 +2313,6 @@ def _build_allocator(options: JobOptions, rank: int):
     Slurm needs its commands and a job to live in; without them it says why in one line
     (rank 0) and the job uses the local allocator."""
     from .allocator import LocalAllocator
-    from .mpiflavour import flavour
 
     if flavour().open_mpi:
         # A grow spawns its joiners from the job (mpirun places them on the nodes it was

@@ -253,6 +253,60 @@ def test_a_users_script_grows_and_shrinks_on_open_mpi(tmp_path):
     every_sample_once(run.samples)
 
 
+GROW = ["--max-workers", "4", "--policy", "resize-schedule", "--resize-schedule-steps",
+        "10:4"]
+POLICY = ["--policy", "gns-batch", "--gns-batch-warmup", "5", "--gns-batch-interval", "5"]
+
+
+@pytest.mark.parametrize("fault,flags,dead", [
+    ("gradient:0:30", [], [0]),
+    ("gradient:2:30", [], [2]),
+    ("plan:0:30", POLICY, [0]),
+    ("plan:1:30", POLICY, [1]),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_death_at_each_phase_of_the_step_is_survived(tmp_path, fault, flags, dead):
+    """HPCADAPT_FAULT places the death (hpcadapt.faults): in the gradient exchange, or before
+    a boundary's plan broadcast. The survivors finish every epoch with exit 0, one
+    recovered failure, replicas identical."""
+    run = _launch_with_fault(tmp_path, fault, _short(EPOCHS, *flags))
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], f["dead"]) for f in failures] == [(True, dead)], failures
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == EPOCHS
+    every_sample_once(run.samples)
+    checks = [r for r in run.rows("resize") if r["reason"].startswith("failure of")]
+    assert checks and all(r["replicas_identical"] for r in checks), checks
+
+
+@pytest.mark.parametrize("fault", ["join:1:0", "join:0:0", "state:0:0"])
+def test_a_death_during_a_merge_with_spawned_joiners_ends_the_job_saved(tmp_path, fault):
+    """Known limit: a rank of the job that dies while the others merge with spawned joiners
+    (MPI_Intercomm_merge blocks on the dead rank under ULFM, and revoking does not release
+    it), or before rank 0 has sent the joiners the state, ends the job as a failure did
+    before ULFM: one line, the state saved to --checkpoint, exit 75 (the job script
+    requeues; when rank 0 itself died, what --checkpoint-every saved last), never a hang."""
+    ckpt = tmp_path / "ckpt"
+    run = _launch_with_fault(tmp_path, fault, _short(1000, *GROW, "--checkpoint", str(ckpt)))
+    code = run.finish()
+    assert code == 75, run.stderr()[-4000:]
+    assert "ending the job" in run.stderr(), run.stderr()[-3000:]
+    assert "Traceback" not in run.stderr(), run.stderr()[-3000:]
+    if fault.split(":")[1] != "0":  # rank 0 lives: it recorded the failure and saved
+        failures = run.rows("failure")
+        assert len(failures) == 1 and not failures[0].get("recovered"), failures
+        assert ckpt.exists(), run.stderr()[-3000:]
+
+
+def _launch_with_fault(tmp_path, fault, program):
+    os.environ["HPCADAPT_FAULT"] = fault
+    try:
+        return Launch(tmp_path, 3, program)
+    finally:
+        del os.environ["HPCADAPT_FAULT"]
+
+
 def test_twenty_random_kills_are_each_survived(tmp_path):
     """Twenty launches, each losing a random rank at a random step: 20 of 20 finish."""
     rng = random.Random(24)
