@@ -13,12 +13,12 @@ leave; the data cursor is global, so nothing is lost. A process that was launche
 joiner) exits at once; one launched together with others waits, sleeping, for its siblings.
 
 Growing on Open MPI. A worker started apart from the job cannot connect to it there (no
-shared runtime between two ``mpirun``s), so the running job starts its joiners itself: one
-collective ``MPI_Comm_spawn`` of every rank, in a thread of each so that training goes on
-while they start (about 1.2 s), over a duplicate of the world's communicator. The joiners
-build their model, say they are ready to rank 0 over the spawn's intercommunicator and wait
-for its word; at the boundary where all are ready, both sides merge that intercommunicator
-and rank 0 sends the state. A joiner that dies first, a spawn that fails, or one that takes
+shared runtime between two ``mpirun``s), so the running job starts its joiners itself: a
+collective ``MPI_Comm_spawn`` of every rank per joiner, in a thread of each so that training
+goes on while they start (about 1.2 s each), over a duplicate of the world's communicator.
+The joiners build their model, say they are ready to rank 0 over their spawn's
+intercommunicator and wait for its word; at the boundary where all are ready, the job merges
+with them, one after the other, and rank 0 sends the state. A joiner that dies first, a spawn that fails, or one that takes
 longer than the join timeout is given up: the job goes on at its size.
 
 Warm spares (``--warm-spares K``). Rank 0 starts K workers ahead, each with a folder of its
