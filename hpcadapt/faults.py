@@ -6,8 +6,9 @@ a join's merge, a state transfer).
 its launch (mpirun/mpiexec/srun; never a worker started to join) dies when it first reaches
 PHASE at step STEP or later. Phases: ``gradient`` (before the step's gradient exchange
 completes), ``plan`` (before a boundary's plan broadcast), ``join`` (before the running job
-merges with spawned joiners), ``state`` (before rank 0 sends the state to joiners). Unset,
-each point costs one comparison."""
+merges with spawned joiners), ``state`` (before rank 0 sends the state to joiners),
+``recovery`` (on entering the recovery from another rank's death: a second death while the
+survivors shrink). Unset, each point costs one comparison."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Optional, Tuple
 
 __all__ = ["point", "PHASES"]
 
-PHASES = ("gradient", "plan", "join", "state")
+PHASES = ("gradient", "plan", "join", "state", "recovery")
 
 
 def _parse(text: str) -> Optional[Tuple[str, int, int]]:

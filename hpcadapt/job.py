@@ -1530,6 +1530,7 @@ class Job:
             self._fail(world_mod.PeerFailure(reason, cause="timeout"))
 
         try:
+            faults.point("recovery", self.state.step)  # a second death, during the recovery
             if world_mod.ULFM:
                 with world_mod.Watchdog(self.options.peer_timeout, "the shrink", expire):
                     agreement, shrunk = recovery.shrink(self.world)

@@ -299,10 +299,28 @@ def test_a_death_during_a_merge_with_spawned_joiners_ends_the_job_saved(tmp_path
         assert ckpt.exists(), run.stderr()[-3000:]
 
 
-def _launch_with_fault(tmp_path, fault, program):
+def test_a_second_death_during_the_recovery_is_survived(tmp_path):
+    """Rank 1 is SIGKILLed; rank 2 dies as it enters the recovery (HPCADAPT_FAULT
+    recovery:2:0), while the others shrink: ranks 0 and 3 finish every epoch with exit 0,
+    both deaths recovered."""
+    run = _launch_with_fault(tmp_path, "recovery:2:0", _short(EPOCHS), n=4)
+    run.wait_for_step(30)
+    run.kill([1])
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert failures and all(f["recovered"] for f in failures), failures
+    # one shrink that leaves both out, or a second recovery (ranks of the shrunk world then)
+    assert [f["dead"] for f in failures] in ([[1, 2]], [[1], [1]]), failures
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == EPOCHS and summary["world_size"] == 2, summary
+    every_sample_once(run.samples)
+
+
+def _launch_with_fault(tmp_path, fault, program, n=3):
     os.environ["HPCADAPT_FAULT"] = fault
     try:
-        return Launch(tmp_path, 3, program)
+        return Launch(tmp_path, n, program)
     finally:
         del os.environ["HPCADAPT_FAULT"]
 
