@@ -338,6 +338,25 @@ def test_twenty_random_kills_are_each_survived(tmp_path):
         assert [f["dead"] for f in run.rows("failure")] == [[victim]], i
 
 
+def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
+    """benchmarks/soak.py --mpi openmpi, 10 events of a fixed seed in one job (kills of any
+    rank, rank 0 included, each replaced by a spawned worker; stops through mpirun with a
+    resume; scheduled grows and shrinks): no hang, every sample once, replicas identical,
+    every failure recovered, nothing left, no growth of fds, children or memory."""
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--mpi", "openmpi",
+           "--events", "10", "--seed", "5", "--workdir", str(tmp_path / "work"), "--json",
+           str(out), "--quiet", "--event-timeout", "150", "--start-timeout", "150"]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=1500)
+    result = json.loads(out.read_text())
+    assert result.get("ok"), (result.get("error") or result.get("checks"), proc.stdout[-3000:])
+    kinds = result["events_by_kind"]
+    assert result["events"] == 10 and kinds["kill"] >= 1 and kinds["stop"] >= 1
+    assert result["kills"]["recovered"] == kinds["kill"]
+    assert result["failures_not_recovered"] == 0
+
+
 # -- inside a Slurm job (the real test cluster) -----------------------------------------------
 from test_slurm import cancel_leftovers, cluster, job_env  # noqa: E402,F401 (fixtures)
 
