@@ -225,6 +225,27 @@ def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_pat
     assert len(seen) == EPOCHS
 
 
+def test_a_spawn_that_cannot_be_placed_leaves_training_at_its_size(tmp_path):
+    """Two slots (--host localhost:2, no --oversubscribe) and --initial-workers 3: mpirun
+    cannot place the joiner, the spawn fails, one line says so and the job trains every
+    epoch at 2. (mpirun itself then ends with its own error code, 213: it counts the spawn
+    it could not place; README "Growing on Open MPI".)"""
+    out = tmp_path / "run"
+    out.mkdir()
+    metrics = out / "m.jsonl"
+    mpirun = [a for a in MPIRUN if a != "--oversubscribe"] + ["--host", "localhost:2"]
+    proc = subprocess.run(mpirun + ["-n", "2", sys.executable] + ENTRY + [
+        "--max-workers", "3", "--initial-workers", "3", "--metrics-file", str(metrics)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert "grow to 3 abandoned (initial workers): MPI_Comm_spawn failed" in proc.stderr, \
+        proc.stderr[-3000:]
+    rows = complete_rows(metrics)
+    assert [(r["new_size"], r["ok"]) for r in rows if r.get("event") == "resize"] == \
+        [(3, False)], rows[-3:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == EPOCHS and summary["world_size"] == 2, summary
+
+
 def test_a_users_script_grows_and_shrinks_on_open_mpi(tmp_path):
     """The user's own script, launched on 2 ranks: a schedule grows it to 4 (spawned
     joiners, merged when ready) and then shrinks it to 3; the stop file ends it. Every rank
