@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -704,7 +705,11 @@ class ElasticController:
             for w in self.pending.workers:
                 w.stop()
         if self._spawned is not None:
-            self._spawned.give_up(wait_s)
+            # Bounded by the kernel too: a joiner's crash has deadlocked Open MPI itself in
+            # this wait (the Open MPI soak), below any deadline of this code.
+            bound = _rt.KernelDeadline(wait_s + 30.0) if wait_s > 0 else nullcontext()
+            with bound:
+                self._spawned.give_up(wait_s)
             self._spawned = None
         self._finish_grow()
         return ResizeOutcome(self.world.size, target, f"{reason}; abandoned: {detail}", 0.0, False)

@@ -246,6 +246,35 @@ def _bound_finalize() -> None:
         pass
 
 
+class KernelDeadline:
+    """``with KernelDeadline(s):`` the kernel ends this process (SIGALRM's default action,
+    exit 142) should the block still run ``s`` seconds later: a bound that holds even when a
+    thread is stuck inside the MPI library, where no Python-level deadline can act (seen:
+    Open MPI's ULFM revoke deadlocked in a survivor after a joiner crashed). Main thread
+    only; the previous SIGALRM handling comes back after the block."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._previous = None
+
+    def __enter__(self) -> "KernelDeadline":
+        import signal
+
+        try:
+            self._previous = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        except (ValueError, OSError):  # not the main thread: no bound
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous)
+
+
 def is_initialized() -> bool:
     return _world is not None
 

@@ -56,3 +56,26 @@ def test_the_registered_failure_handler_runs_first_with_the_exception():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_bare_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "handler saw KeyError('k')" in proc.stdout
+
+
+def test_a_kernel_deadline_ends_a_stuck_process_and_is_gone_after_its_block():
+    """runtime.KernelDeadline: a block still running at the deadline ends the process
+    (SIGALRM's default action, whatever handler was set), and after a block that finished in
+    time nothing fires (the previous handler is back)."""
+    import subprocess
+    import sys
+
+    code = ("import signal, time\n"
+            "from hpcadapt.runtime import KernelDeadline\n"
+            "signal.signal(signal.SIGALRM, lambda *a: None)\n"
+            "with KernelDeadline(0.5):\n"
+            "    pass\n"
+            "time.sleep(1.0)\n"
+            "print('survived the finished block', flush=True)\n"
+            "with KernelDeadline(0.5):\n"
+            "    time.sleep(30)\n"
+            "print('not reached', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -14, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.strip() == "survived the finished block", proc.stdout
