@@ -1717,9 +1717,8 @@ class Job:
 
         wait_s = self.options.join_timeout + self.options.peer_timeout
         try:
-            # Bounded twice: the wait for the job's word has its deadline, and the kernel
-            # timer of the watchdog ends a connection set-up that blocks in Open MPI when
-            # the job is gone.
+            # Bounded twice: the wait for the job's word has its deadline, and the watchdog
+            # ends this process when Open MPI's connection set-up blocks (the job is gone).
             with world_mod.Watchdog(wait_s + 10.0, "waiting for the job's word", give_up):
                 merged = join_spawning_job(wait_s)
         except MembershipError as exc:
