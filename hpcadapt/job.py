@@ -1684,22 +1684,15 @@ class Job:
             logging.shutdown()
             os._exit(3)
 
-        def expire(reason: str) -> None:
-            log.error("the join was given up (%s): this worker exits", reason)
-            logging.shutdown()
-            os._exit(3)
-
         try:
-            with world_mod.Watchdog(self.options.peer_timeout, "joining the job", expire):
+            with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
+                                    _give_up_join):
                 self.world.replace(join_running_job(ticket, self._receive_state_over_bridge,
                                                     port),
                                    version=self._joined_version)
                 self._confirm_join()
         except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
-            log.error("the join was given up (%s): this worker exits", exc)
-            logging.shutdown()
-            sys.stderr.flush()
-            os._exit(3)
+            _give_up_join(exc)
         self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
@@ -1709,17 +1702,12 @@ class Job:
         The wait for the job's word lasts as long as the job waits for its joiners."""
         from .elastic import JoinAborted, ResizeOutcome, join_spawning_job
 
-        def give_up(reason) -> None:
-            log.error("the join was given up (%s): this worker exits", reason)
-            logging.shutdown()
-            sys.stderr.flush()
-            os._exit(3)
-
         wait_s = self.options.join_timeout + self.options.peer_timeout
         try:
             # Bounded twice: the wait for the job's word has its deadline, and the watchdog
             # ends this process when Open MPI's connection set-up blocks (the job is gone).
-            with world_mod.Watchdog(wait_s + 10.0, "waiting for the job's word", give_up):
+            with world_mod.Watchdog(wait_s + 10.0, "waiting for the job's word",
+                                    _give_up_join):
                 merged = join_spawning_job(wait_s)
         except MembershipError as exc:
             # The job gave the grow up, or ended: nothing failed here. This process's exit
@@ -1734,7 +1722,8 @@ class Job:
             log.error("the join was given up (%s): this worker exits", exc)
             sys.exit(0)
         try:
-            with world_mod.Watchdog(self.options.peer_timeout, "joining the job", give_up):
+            with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
+                                    _give_up_join):
                 self.world.replace(merged)
                 self._sync_state(receiving=True)
                 self._confirm_join()
@@ -2288,6 +2277,15 @@ def _strict(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_strict(v) for v in value]
     return value
+
+
+def _give_up_join(reason) -> None:
+    """A joining worker whose join failed (or whose watchdog expired, from its thread): one
+    line, then exit 3 at once (a blocked MPI call cannot be left any other way)."""
+    log.error("the join was given up (%s): this worker exits", reason)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(3)
 
 
 def _broadcast_text(text: str, world) -> str:

@@ -59,18 +59,28 @@ class Launch:
     def stderr(self):
         return self.err_path.read_text()
 
-    def wait_for_step(self, step, timeout=300):
+    def wait_for(self, predicate, what, timeout=300):
+        """``predicate()``'s first true value, polled while the job runs (a job that ended
+        before it fails the test with its stderr)."""
         import time
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any(r["step"] >= step for r in self.rows("step")):
-                return
+            found = predicate()
+            if found:
+                return found
             if self.proc.poll() is not None:
-                pytest.fail(f"the job ended (code {self.proc.returncode}) before step {step}:"
-                            f"\n{self.stderr()[-4000:]}")
+                found = predicate()  # written just before the end
+                if found:
+                    return found
+                pytest.fail(f"the job ended (code {self.proc.returncode}) before {what}:\n"
+                            f"{self.stderr()[-4000:]}")
             time.sleep(0.02)
-        pytest.fail(f"no step {step} within {timeout} s")
+        pytest.fail(f"no {what} within {timeout} s:\n{self.stderr()[-4000:]}")
+
+    def wait_for_step(self, step, timeout=300):
+        self.wait_for(lambda: any(r["step"] >= step for r in self.rows("step")),
+                      f"step {step}", timeout)
 
     def kill(self, ranks):
         """SIGKILL these launch ranks (together, as a node's loss would)."""
@@ -153,21 +163,6 @@ def test_rank_0_dies_under_every_strategy_and_topology(tmp_path, flags):
     _assert_recovered(run, [0], pids, 3, epochs=3)
 
 
-def _wait_for(run, predicate, what, timeout=300):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        if run.proc.poll() is not None:
-            pytest.fail(f"the job ended (code {run.proc.returncode}) before {what}:\n"
-                        f"{run.stderr()[-4000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"no {what} within {timeout} s:\n{run.stderr()[-4000:]}")
-
-
 def test_replace_failed_grows_back_to_the_target_with_identical_replicas(tmp_path):
     """A rank of 4 SIGKILLed; the 3 survivors shrink in place, then spawn a replacement
     (MPI_Comm_spawn from the shrunk communicator, merged at a step boundary) and train on
@@ -182,7 +177,7 @@ def test_replace_failed_grows_back_to_the_target_with_identical_replicas(tmp_pat
         return [r for r in run.rows("resize") if r["ok"] and r["old_size"] == 3
                 and r["new_size"] == 4]
 
-    grown = _wait_for(run, grown_back, "the grow back to 4")[0]
+    grown = run.wait_for(grown_back, "the grow back to 4")[0]
     run.wait_for_step(grown["step"] + 20)
     stop.write_text("")
     code = run.finish()
@@ -210,7 +205,7 @@ def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_pat
     def joined():
         return [r for r in run.rows("resize") if r["ok"] and r["new_size"] == 3]
 
-    pids = _wait_for(run, joined, "the join of the spawned workers")[0]["pids"]
+    pids = run.wait_for(joined, "the join of the spawned workers")[0]["pids"]
     run.wait_for_step(30)
     os.kill(pids[2], signal.SIGKILL)
     code = run.finish()
@@ -261,7 +256,7 @@ def test_a_users_script_grows_and_shrinks_on_open_mpi(tmp_path):
     def shrunk():
         return [r for r in run.rows("resize") if r["ok"] and r["new_size"] == 3]
 
-    run.wait_for_step(_wait_for(run, shrunk, "the shrink to 3")[0]["step"] + 20)
+    run.wait_for_step(run.wait_for(shrunk, "the shrink to 3")[0]["step"] + 20)
     stop.write_text("")
     code = run.finish()
     assert code == 0, run.stderr()[-4000:]
