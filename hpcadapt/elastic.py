@@ -416,6 +416,16 @@ class _SpawnedGrow:
         self.thread.join()  # returned or about to: the spawn is collective
         if self.error or len(self.inters) < self.count:
             raise JoinAborted(self.error or "the spawn did not return")
+        if _rt.ULFM:
+            # MPI_Intercomm_merge stays blocked on a parent that died (revoking does not
+            # release it): the parents first agree that all of them live (a ULFM agreement
+            # ends on every survivor with the same outcome); a death is the job's own
+            # failure, which the caller recovers from, and the joiners are let go.
+            try:
+                self.comm.Agree(1)
+            except MPI.Exception:
+                self.give_up()
+                raise
         parents = self.comm.Get_size()
         current = self.comm
         try:

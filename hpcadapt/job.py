@@ -203,6 +203,9 @@ class Job:
                 raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
                                          f"(2 makes the rank take twice as long)")
         self.joining = self._join_dir is not None or self._spawned_to_join
+        # Whether this process holds the training state (a joiner does once it has joined):
+        # a recovery during a join takes the state from a survivor that holds it.
+        self._holds_state = not self.joining
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
         self.stop_signals: Optional[StopSignals] = StopSignals.named(
@@ -1378,12 +1381,17 @@ class Job:
                     self.world.replace(merged, keep_old=True)
                     if self.elastic.spawns:  # spawned joiners take the state now
                         faults.point("state", self.state.step)
+                        world_mod.agree_all_alive(self.world.comm)  # the joiners too
                         self._sync_state(receiving=False)
                     self._confirm_join()
             except JoinAborted as exc:
                 self._record_resize(self.elastic.abandon(str(exc)))
                 return
             except world_mod.FAILURES as exc:
+                if world_mod.ULFM:
+                    self._recover_during_join(exc, previous, merged, old,
+                                              old + joiners, reason)
+                    return
                 if merged is None:
                     self._fail(exc)  # a rank of the running job itself failed
                 # A joiner died after it merged: back to the old world, which holds only
@@ -1402,6 +1410,27 @@ class Job:
                 previous.Free()
             self._after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
                                decided)
+
+    def _recover_during_join(self, exc: BaseException, previous, merged, old: int,
+                             target: int, reason: str) -> None:
+        """ULFM: a death while the job joins spawned workers. Before the merge the parents
+        agreed that one of them died and let the joiners go: the job recovers on its own.
+        After it, every member of the merged world recovers together, the joiners too
+        (they take the state from a survivor that holds it), so the grow is kept."""
+        from .elastic import ResizeOutcome
+
+        if merged is not None:
+            # Recorded first (by rank 0 while it lives; else the failure's old size says it).
+            self._identical_after_resize = None
+            self._record_resize(ResizeOutcome(old, self.world.size, f"{reason}; merged, then "
+                                              f"a death during the join: the joiners recover "
+                                              f"with the job", 0.0, True))
+            if previous != MPI_COMM_NULL():
+                world_mod.ABANDONED.append(previous)  # may hold the dead: never freed
+        self._recover(exc)
+        if merged is None:
+            self._record_resize(ResizeOutcome(old, target, f"{reason}; abandoned: a rank of "
+                                              f"the job died before the merge", 0.0, False))
 
     def _join_watchdog(self, workers):
         """The watchdog around a join's blocking steps: a joining worker whose launcher has
@@ -1447,6 +1476,11 @@ class Job:
     def _confirm_join(self) -> None:
         """Every rank of a grown world, after the state transfer: one bounded allreduce that
         completes only when every member (the joiners too) is alive and has the state."""
+        if world_mod.ULFM:
+            # The same outcome on every survivor (a death seen by some members only would
+            # leave the others training in a world the first ones recover from).
+            world_mod.agree_all_alive(self.world.comm)
+            return
         one = np.ones(1, dtype=np.int64)
         wait = world_mod.wait_request
         from mpi4py import MPI
@@ -1577,6 +1611,7 @@ class Job:
                     self.state.broadcast(view, is_root=self.world.rank == root, root=root)
                     if policy_state is not None:
                         self.engine.load_state_dict(policy_state)  # rank 0's decide
+                self._holds_state = True
             except world_mod.FAILURES as again:
                 self._fail(world_mod.as_failure(again, "the recovery"))
         self._walk = None
@@ -1654,14 +1689,18 @@ class Job:
         st = self.state
         plain = json.dumps([st.epoch, st.sampler.cursor, asdict(st.hyper), st.applied_lr,
                             st.strategy.to_dict(), st.topology], sort_keys=True, default=str)
-        mine = np.array([st.step, zlib.crc32(plain.encode()), self.world.cluster_version],
-                        dtype=np.int64)
+        # A joiner that has no state yet (a death during its join) counts as step -1.
+        mine = np.array([st.step if self._holds_state else -1, zlib.crc32(plain.encode()),
+                         self.world.cluster_version], dtype=np.int64)
         table = np.empty((self.world.size, 3), dtype=np.int64)
         world_mod.wait_request(self.world.comm.Iallgather(mine, table), self.world.watch,
                                "the recovery's state survey")
         # A survivor that applied one more boundary's switch than another holds a higher
         # version: all take the highest, so the next plan's version check agrees everywhere.
         self.world._version = int(table[:, 2].max())
+        if table[:, 0].max() < 0:
+            raise world_mod.PeerFailure("no survivor holds the training state (the ranks "
+                                        "that did died during a join)", cause="dead")
         same = bool((table[:, :2] == table[0, :2]).all())
         return int(np.argmax(table[:, 0])), same
 
@@ -1721,18 +1760,30 @@ class Job:
             # failure of the launch, whose code is the training's); the line says why.
             log.error("the join was given up (%s): this worker exits", exc)
             sys.exit(0)
+        failure = None
         try:
             with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
                                     _give_up_join):
                 self.world.replace(merged)
+                world_mod.agree_all_alive(merged)  # the job's ranks agree on it too
                 self._sync_state(receiving=True)
                 self._confirm_join()
         except world_mod.FAILURES as exc:
-            # A rank of the job died during the join: the job recovers without this worker,
-            # which has no state to go on with. It ends through MPI_Finalize with 0, so that
-            # the launch's exit code stays the training's (the line says what happened).
-            log.error("the join was given up (%s): this worker exits", exc)
-            sys.exit(0)
+            if not (world_mod.ULFM and self.world.comm is merged):
+                # The merged world is not this worker's: the job recovers without it. It
+                # ends through MPI_Finalize with 0, so that the launch's exit code stays
+                # the training's (the line says what happened).
+                log.error("the join was given up (%s): this worker exits", exc)
+                sys.exit(0)
+            failure = exc
+        if failure is not None:
+            # A death during the join (ULFM): this worker recovers with the merged world and
+            # takes the state from a survivor that holds it.
+            self._recover(failure)
+            log.info("joined as rank %d of %d at step %d, through the recovery from a death "
+                     "during the join", self.world.rank, self.world.size, self.state.step)
+            return
+        self._holds_state = True
         self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)

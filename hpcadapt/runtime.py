@@ -408,6 +408,15 @@ class PeerFailure(Exception):
 FAILURES: tuple = (PeerFailure, MPI.Exception) if ULFM else (PeerFailure,)
 
 
+def agree_all_alive(comm: MPI.Intracomm) -> None:
+    """ULFM: returns on every member when all of ``comm`` live; otherwise raises the same
+    MPI error (ERR_PROC_FAILED) on every survivor, so that all take the same path (a plain
+    collective may complete on some members and fail on others). Blocking: callers hold a
+    watchdog. Without ULFM: nothing (a death ends the job there)."""
+    if ULFM:
+        comm.Agree(1)
+
+
 def node_key() -> int:
     """This node, as a number: the host name, the boot and the pid namespace (so pids of
     two containers on one host are never compared)."""
