@@ -779,7 +779,7 @@ class Job:
             broadcast_parameters(tensors, root=0, world=self.world)  # rank 0's model for all
         except world_mod.FAILURES as exc:
             self._step_open = False
-            self._recover(exc)  # or ends the job
+            self._recover(exc, step_given_up=True)  # or ends the job
             return 0
         step0 = st.step
         self._used_settings = optimizer_settings(self.optimizer.optimizer)
@@ -954,7 +954,7 @@ class Job:
             faults.point("gradient", st.step)
             stats = self.optimizer.synchronize()
         except world_mod.FAILURES as exc:
-            self._recover(exc)  # or ends the job
+            self._recover(exc, step_given_up=True)  # or ends the job
             return False
         self._slow_down(self.options.slow_comm, time.perf_counter() - t1)  # --slow-comm
         t2 = time.perf_counter()
@@ -1542,14 +1542,17 @@ class Job:
         sys.stderr.flush()
         os._exit(code)
 
-    def _recover(self, exc: BaseException) -> None:
+    def _recover(self, exc: BaseException, *, step_given_up: bool = False) -> None:
         """A peer died in the middle of a step or at its boundary. The survivors agree on
         who died (hpcadapt.recovery), form a world without it, and take the state of the
         survivor furthest on (one that finished the step in flight before the others
         noticed is one step ahead; the others have changed nothing yet); the step from that
         state's cursor is trained at the smaller size, so no sample is skipped or trained
         twice. Returns with ``_recovered`` set, or ends the job through ``_fail`` when the
-        death cannot be survived (see ``recovery.unrecoverable``) or recovery fails."""
+        death cannot be survived (see ``recovery.unrecoverable``) or recovery fails.
+        ``step_given_up``: the death cut a step (round) short, so what the loop body does
+        after that ``job.step`` is undone at the next batch; a death at a boundary, in a
+        join or after the step committed leaves the body's work of the committed step."""
         from . import recovery
         from .elastic import ResizeOutcome
 
@@ -1617,8 +1620,9 @@ class Job:
         self._walk = None
         self._recovered = True
         self._step_open = False
-        self._undo_at_next_batch = StepCommit.take(self.state.step, self.extra,
-                                                   self.optimizer.optimizer, self.model)
+        if step_given_up:
+            self._undo_at_next_batch = StepCommit.take(self.state.step, self.extra,
+                                                       self.optimizer.optimizer, self.model)
         recovered = time.time()
         phases = {"agree_s": t_agreed - t0, "form_world_s": t_formed - t_agreed,
                   "survey_s": t_surveyed - t_formed,
@@ -1732,6 +1736,7 @@ class Job:
                 self._confirm_join()
         except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
             _give_up_join(exc)
+        self._holds_state = True
         self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)

@@ -327,6 +327,42 @@ def test_a_death_during_a_join_with_spawned_joiners_is_survived(tmp_path, fault,
     assert "Traceback" not in run.stderr(), run.stderr()[-3000:]
 
 
+@pytest.mark.parametrize("fault,size", [("join:2:0", 2), ("state:1:0", 3)])
+def test_a_users_script_survives_a_death_during_a_join(tmp_path, fault, size):
+    """The user's own script, launched on 3 ranks with --initial-workers 4: a rank dies
+    just before the merge with the spawned joiner (the grow is given up: 2 ranks) or just
+    after it (the joiner is kept: 3 ranks). The job finishes with exit 0; every rank ends with the same parameters, buffers and EMA, and each committed
+    step ran the loop body once (the joiner that joined through the recovery too)."""
+    program = USER + ["--max-workers", "4", "--initial-workers", "4"]
+    run = _launch_with_fault(tmp_path, fault, program)
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], f["world_size"]) for f in failures] == [(True, size)], failures
+    results = [json.loads((run.dir / f"rank{r}.json").read_text()) for r in range(size)]
+    for r in results:
+        assert r["size"] == size and r["updates"] == r["step_count"] == r["last_epoch"], r
+    assert len({(r["params"], r["buffers"], r["ema"]) for r in results}) == 1, results
+    every_sample_once(run.samples)
+
+
+def test_a_users_script_counts_each_step_once_after_a_death_at_a_boundary(tmp_path):
+    """Rank 0 dies at a step boundary (before the plan's broadcast: the others notice it
+    there), in the user's script: the step before it committed, so what the loop body did
+    for it stays, and every later step reaches the body once (updates == committed steps ==
+    the scheduler's steps; before the fix the next step's body was undone: 57 != 58)."""
+    run = _launch_with_fault(tmp_path, "plan:0:30", USER + POLICY)
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], f["dead"]) for f in failures] == [(True, [0])], failures
+    results = [json.loads((run.dir / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["size"] == 2 and r["updates"] == r["step_count"] == r["last_epoch"], r
+    assert len({(r["params"], r["buffers"], r["ema"]) for r in results}) == 1, results
+    every_sample_once(run.samples)
+
+
 def test_a_second_death_during_the_recovery_is_survived(tmp_path):
     """Rank 1 is SIGKILLed; rank 2 dies as it enters the recovery (HPCADAPT_FAULT
     recovery:2:0), while the others shrink: ranks 0 and 3 finish every epoch with exit 0,
