@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import List, Optional
+from typing import List, Optional, Set
 
 from . import config
 
@@ -87,6 +87,20 @@ def _become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
+def _children() -> Optional[Set[int]]:
+    """This process's children now (Linux's /proc lists them per thread), or None where
+    /proc does not say."""
+    kids: Set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+        for task in tasks:
+            with open(f"/proc/self/task/{task}/children", encoding="ascii") as f:
+                kids.update(int(p) for p in f.read().split())
+    except OSError:
+        return None
+    return kids
+
+
 def _exit_status(status: int) -> int:
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
@@ -121,6 +135,10 @@ def run(command: List[str]) -> int:
     first = None
     for s in FORWARDED:
         signal.signal(s, forward)  # before the launch: no window where a signal kills us
+    # Children this process had before the launch are not the job's: a shell's process
+    # substitution (`agent ... 2> >(grep ...) &`) forks its filter before it execs the
+    # agent, and that filter ends only when the agent does.
+    inherited = _children()
     first = subprocess.Popen(command, env=env)
     for signum in pending:
         forward(signum, None)
@@ -135,6 +153,10 @@ def run(command: List[str]) -> int:
             if pid == first.pid:
                 first_code = _exit_status(status)
                 first.returncode = first_code
+            left = _children()
+            if first_code is not None and inherited is not None and left is not None \
+                    and left <= inherited:
+                break
         code = _read_int(folder, EXIT_FILE)
         return code if code is not None else (first_code or 0)
     finally:

@@ -58,6 +58,17 @@ def test_it_waits_for_an_orphaned_grandchild(tmp_path):
     assert proc.wait(timeout=60) == 0 and done.exists()
 
 
+def test_a_child_it_had_before_the_launch_is_not_waited_for():
+    """`agent ... 2> >(filter) &` in a job script: bash forks the filter, then execs the agent
+    in that process, so the filter is the agent's child and ends only when the agent's
+    stderr closes. The agent returns when its launch (and what the launch orphaned) ended."""
+    script = (f"{sys.executable} -m hpcadapt.agent -- {sys.executable} -c 'import sys; "
+              f"sys.exit(7)' 2> >(cat >&2) & wait $!")
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, timeout=120,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 7, proc.stderr
+
+
 def test_stop_signals_go_to_the_recorded_coordinator(tmp_path):
     ready, got = tmp_path / "ready", tmp_path / "got"
     code = textwrap.dedent(f"""

@@ -28,6 +28,9 @@ MPIRUN = [str(Path(sys.executable).parent / "mpirun"), "--with-ft", "ulfm", "--m
           "async_mpi_finalize", "1", "--oversubscribe"] + \
     (["--allow-run-as-root"] if os.geteuid() == 0 else [])
 EPOCHS = 5
+# hpcadapt's agent around mpirun: its exit code is the training's (mpirun's own counts the
+# processes of a spawn that died or could not be placed)
+AGENT = [sys.executable, "-m", "hpcadapt.agent", "--"]
 ENTRY = ["-m", "hpcadapt.train", "--model", "mlp", "--dataset", "digits", "--epochs",
          str(EPOCHS), "--batch-size", "32", "--lr", "0.05", "--threads", "1", "--no-progress",
          "--check-replicas"]
@@ -37,7 +40,7 @@ USER = [str(ROOT / "tests" / "scripts" / "rollback_user.py"), "--epochs", str(EP
 class Launch:
     """One plain `mpirun --with-ft ulfm -n N` of a training program, in the background."""
 
-    def __init__(self, tmp_path: Path, n: int, program, name="run"):
+    def __init__(self, tmp_path: Path, n: int, program, name="run", agent=False):
         self.dir = tmp_path / name
         self.dir.mkdir()
         self.metrics = self.dir / "m.jsonl"
@@ -48,7 +51,8 @@ class Launch:
         if program[0] == USER[0]:
             args += ["--result-dir", str(self.dir)]
         self._err = open(self.err_path, "w")
-        self.proc = subprocess.Popen(MPIRUN + ["-n", str(n), sys.executable] + args,
+        self.proc = subprocess.Popen((AGENT if agent else []) + MPIRUN +
+                                     ["-n", str(n), sys.executable] + args,
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=self._err,
                                      text=True, start_new_session=True)
         reap_on_teardown(self.proc, str(self.metrics))
@@ -194,13 +198,16 @@ def test_replace_failed_grows_back_to_the_target_with_identical_replicas(tmp_pat
     every_sample_once(run.samples)
 
 
-def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_path):
+@pytest.mark.parametrize("agent", [False, True], ids=["mpirun", "agent"])
+def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_path, agent):
     """One rank launched, two spawned (--initial-workers 3: one spawn each, since Open MPI's
     runtime ends every process of a spawn when one dies); the second joiner is SIGKILLed:
-    the other two finish every epoch. mpirun's exit code is then 137: it counts the killed
-    process of its spawn, and this PRRTE's option to report only the launched job's status
-    (--runtime-options report-child-jobs-separately) is refused by its own parser."""
-    run = Launch(tmp_path, 1, ENTRY + ["--max-workers", "3", "--initial-workers", "3"])
+    the other two finish every epoch. mpirun's own exit code is then 137: it counts the
+    killed process of its spawn, and this PRRTE's option to report only the launched job's
+    status (--runtime-options report-child-jobs-separately) is refused by its own parser;
+    under `python -m hpcadapt.agent -- mpirun ...` the exit code is the training's, 0."""
+    run = Launch(tmp_path, 1, ENTRY + ["--max-workers", "3", "--initial-workers", "3"],
+                 agent=agent)
 
     def joined():
         return [r for r in run.rows("resize") if r["ok"] and r["new_size"] == 3]
@@ -209,7 +216,7 @@ def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_pat
     run.wait_for_step(30)
     os.kill(pids[2], signal.SIGKILL)
     code = run.finish()
-    assert code == 137, run.stderr()[-4000:]
+    assert code == (0 if agent else 137), run.stderr()[-4000:]
     failures = run.rows("failure")
     assert [(f["recovered"], f["dead"]) for f in failures] == [(True, [2])], failures
     summary = json.loads(run.stdout.strip().splitlines()[-1])
@@ -220,16 +227,18 @@ def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_pat
     assert len(seen) == EPOCHS
 
 
-def test_a_spawn_that_cannot_be_placed_leaves_training_at_its_size(tmp_path):
+@pytest.mark.parametrize("agent", [False, True], ids=["mpirun", "agent"])
+def test_a_spawn_that_cannot_be_placed_leaves_training_at_its_size(tmp_path, agent):
     """Two slots (--host localhost:2, no --oversubscribe) and --initial-workers 3: mpirun
     cannot place the joiner, the spawn fails, one line says so and the job trains every
-    epoch at 2. (mpirun itself then ends with its own error code, 213: it counts the spawn
-    it could not place; README "Growing on Open MPI".)"""
+    epoch at 2. mpirun itself then ends with its own error code, 213 (it counts the spawn
+    it could not place); under hpcadapt's agent the exit code is the training's, 0."""
     out = tmp_path / "run"
     out.mkdir()
     metrics = out / "m.jsonl"
     mpirun = [a for a in MPIRUN if a != "--oversubscribe"] + ["--host", "localhost:2"]
-    proc = subprocess.run(mpirun + ["-n", "2", sys.executable] + ENTRY + [
+    launch = (AGENT if agent else []) + mpirun
+    proc = subprocess.run(launch + ["-n", "2", sys.executable] + ENTRY + [
         "--max-workers", "3", "--initial-workers", "3", "--metrics-file", str(metrics)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
     assert "grow to 3 abandoned (initial workers): MPI_Comm_spawn failed" in proc.stderr, \
@@ -239,6 +248,7 @@ def test_a_spawn_that_cannot_be_placed_leaves_training_at_its_size(tmp_path):
         [(3, False)], rows[-3:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["epochs"] == EPOCHS and summary["world_size"] == 2, summary
+    assert proc.returncode == (0 if agent else 213), proc.stderr[-3000:]
 
 
 def test_a_users_script_grows_and_shrinks_on_open_mpi(tmp_path):
