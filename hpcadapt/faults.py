@@ -1,55 +1,67 @@
-"""Fault injection for tests and drills: a rank SIGKILLs itself at a named point of the step
-flow, so that a death can be placed where a random kill rarely lands (the plan's broadcast,
-a join's merge, a state transfer).
+"""Fault injection for tests and drills: a rank SIGKILLs itself (or sends itself another
+signal) at a named point of the step flow, so that an event can be placed where a random
+one rarely lands (the plan's broadcast, a join's merge, a state transfer, a recovery).
 
-``HPCADAPT_FAULT=PHASE:RANK:STEP`` (read once, at import): the process that is rank RANK of
-its launch (mpirun/mpiexec/srun; never a worker started to join) dies when it first reaches
-PHASE at step STEP or later. Phases: ``gradient`` (before the step's gradient exchange
-completes), ``plan`` (before a boundary's plan broadcast), ``join`` (before the running job
-merges with spawned joiners), ``state`` (before rank 0 sends the state to joiners),
-``recovery`` (on entering the recovery from another rank's death: a second death while the
-survivors shrink). Unset, each point costs one comparison."""
+``HPCADAPT_FAULT=PHASE:RANK:STEP[:SIGNAL][,...]`` (read once, at import): the process that
+is rank RANK of its launch (mpirun/mpiexec/srun; never a worker started to join) sends
+itself SIGNAL (default SIGKILL: a crash, no clean-up) when it first reaches PHASE at step
+STEP or later; a signal other than SIGKILL is sent once (SIGUSR1: a stop asked right
+there). Phases: ``gradient`` (before the step's gradient exchange completes), ``plan``
+(before a boundary's plan broadcast), ``join`` (before the running job merges with spawned
+joiners), ``state`` (before rank 0 sends the state to joiners), ``recovery`` (on entering
+the recovery from another rank's death). Unset, each point costs one comparison."""
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import Optional, Tuple
+from typing import List, Tuple
 
 __all__ = ["point", "PHASES"]
 
 PHASES = ("gradient", "plan", "join", "state", "recovery")
 
-
-def _parse(text: str) -> Optional[Tuple[str, int, int]]:
-    if not text:
-        return None
-    try:
-        phase, rank, step = text.split(":")
-        parsed = (phase, int(rank), int(step))
-    except ValueError:
-        raise SystemExit(f"HPCADAPT_FAULT={text!r}: give PHASE:RANK:STEP, PHASE one of "
-                         f"{', '.join(PHASES)}") from None
-    if phase not in PHASES:
-        raise SystemExit(f"HPCADAPT_FAULT={text!r}: unknown phase {phase!r}; one of "
-                         f"{', '.join(PHASES)}")
-    return parsed
+Fault = Tuple[str, int, int, int]   # phase, launch rank, step, signal number
 
 
-def _this_process(fault: Optional[Tuple[str, int, int]]) -> Optional[Tuple[str, int, int]]:
-    """The fault when it is this process's: the launch rank it names, not a joiner."""
+def _parse(text: str) -> List[Fault]:
+    faults: List[Fault] = []
+    for part in filter(None, text.split(",")):
+        fields = part.split(":")
+        try:
+            if len(fields) not in (3, 4):
+                raise ValueError
+            sig = signal.Signals[fields[3]] if len(fields) == 4 else signal.SIGKILL
+            fault = (fields[0], int(fields[1]), int(fields[2]), int(sig))
+        except (ValueError, KeyError):
+            raise SystemExit(f"HPCADAPT_FAULT={text!r}: give PHASE:RANK:STEP[:SIGNAL] "
+                             f"(comma-separated), PHASE one of {', '.join(PHASES)}, SIGNAL a "
+                             f"name such as SIGUSR1") from None
+        if fault[0] not in PHASES:
+            raise SystemExit(f"HPCADAPT_FAULT={text!r}: unknown phase {fault[0]!r}; one of "
+                             f"{', '.join(PHASES)}")
+        faults.append(fault)
+    return faults
+
+
+def _this_process(faults: List[Fault]) -> List[Fault]:
+    """The faults that are this process's: the launch rank they name, not a joiner."""
     from .config import JOIN_DIR_VARIABLE, SPAWNED_VARIABLE, launch_rank
 
-    if fault is None or os.environ.get(JOIN_DIR_VARIABLE) or \
-            os.environ.get(SPAWNED_VARIABLE):
-        return None
-    return fault if launch_rank() == fault[1] else None
+    if not faults or os.environ.get(JOIN_DIR_VARIABLE) or os.environ.get(SPAWNED_VARIABLE):
+        return []
+    rank = launch_rank()
+    return [f for f in faults if f[1] == rank]
 
 
-_FAULT = _this_process(_parse(os.environ.get("HPCADAPT_FAULT", "")))
+_FAULTS = _this_process(_parse(os.environ.get("HPCADAPT_FAULT", "")))
 
 
 def point(phase: str, step: int) -> None:
-    """Die here (SIGKILL, no clean-up: as a crash would) when HPCADAPT_FAULT names this."""
-    if _FAULT is not None and _FAULT[0] == phase and step >= _FAULT[2]:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Send this process the signal HPCADAPT_FAULT names for this point (SIGKILL: die here,
+    as a crash would)."""
+    for fault in list(_FAULTS) if _FAULTS else ():
+        if fault[0] == phase and step >= fault[2]:
+            if fault[3] != signal.SIGKILL:
+                _FAULTS.remove(fault)  # once
+            os.kill(os.getpid(), fault[3])

@@ -399,6 +399,29 @@ def _launch_with_fault(tmp_path, fault, program, n=3):
         del os.environ["HPCADAPT_FAULT"]
 
 
+def test_a_stop_signal_during_a_recovery_stops_the_job_saved_and_it_resumes(tmp_path):
+    """Rank 1 dies at step 30; rank 0 is sent SIGUSR1 (a stop) as it enters the recovery
+    (HPCADAPT_FAULT gradient:1:30,recovery:0:0:SIGUSR1). The recovery completes, the stop is
+    voted at the next boundary: one line, the state saved, exit 75 (the job script
+    requeues). The resumed launch trains the remaining epochs and ends with exit 0."""
+    ckpt = tmp_path / "ckpt"
+    run = _launch_with_fault(tmp_path, "gradient:1:30,recovery:0:0:SIGUSR1",
+                             _short(1000, "--checkpoint", str(ckpt)))
+    code = run.finish()
+    assert code == 75, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], f["dead"]) for f in failures] == [(True, [1])], failures
+    stops = run.rows("stop")
+    assert len(stops) == 1 and stops[0]["saved"], stops
+    assert stops[0]["step"] >= failures[0]["step"], (stops, failures)
+    assert ckpt.exists() and "Traceback" not in run.stderr(), run.stderr()[-3000:]
+    at = stops[0]["epoch"]
+    resumed = Launch(tmp_path, 2, _short(at + 2, "--checkpoint", str(ckpt)), name="resumed")
+    assert resumed.finish() == 0, resumed.stderr()[-4000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == at + 2 and summary["steps"] > stops[0]["step"], summary
+
+
 def test_twenty_random_kills_are_each_survived(tmp_path):
     """Twenty launches, each losing a random rank at a random step: 20 of 20 finish."""
     rng = random.Random(24)
