@@ -1474,8 +1474,9 @@ class Job:
         self._joined_version = self.state.broadcast(view, is_root=False)
 
     def _confirm_join(self) -> None:
-        """Every rank of a grown world, after the state transfer: one bounded allreduce that
-        completes only when every member (the joiners too) is alive and has the state."""
+        """Every rank of a grown world, after the state transfer: one bounded allreduce (a
+        ULFM agreement under ULFM) that completes only when every member (the joiners too)
+        is alive and has the state."""
         if world_mod.ULFM:
             # The same outcome on every survivor (a death seen by some members only would
             # leave the others training in a world the first ones recover from).
