@@ -10,7 +10,8 @@ fails the soak with what was awaited, the job's stderr tail and, for a hang, the
 process of the job (gdb).
 
 * resize: the job has no control channel for resizes from outside (hpcadapt.args, the policies,
-  the README: a resize is a policy's decision or `job.request_resize` from the training script),
+  docs/guides/elastic.md: a resize is a policy's decision or `job.request_resize` from the
+  training script),
   so the job runs `--policy resize-schedule` with a long schedule drawn from the seed up front:
   sizes 2..4, consecutive points different, `--resize-schedule-hold` steps at each size reached.
   A resize event waits for the next scheduled resize line (done, or "not done" if abandoned),
@@ -361,7 +362,7 @@ class Soak:
         self.expect_exit = False
         self.openmpi = a.mpi == "openmpi"
         # Open MPI: mpirun ends with 137 once a spawned joiner was killed in that launch
-        # (it counts the killed process of its spawn; README "Growing on Open MPI")
+        # (it counts the killed process of its spawn; docs/guides/failures.md "Growing on Open MPI")
         self.spawned_killed = False
 
     # -- the job -------------------------------------------------------------------------

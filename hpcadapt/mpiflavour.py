@@ -12,8 +12,8 @@ from . import config
 
 __all__ = ["MPIFlavour", "flavour", "ULFM_LAUNCH"]
 
-# The launch that turns Open MPI's fault tolerance on (README "Any rank's death under one
-# launch").
+# The launch that turns Open MPI's fault tolerance on (docs/guides/failures.md "Any rank's
+# death under one launch: Open MPI with ULFM").
 ULFM_LAUNCH = "mpirun --with-ft ulfm --mca async_mpi_finalize 1 -n N python ..."
 
 

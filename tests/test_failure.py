@@ -60,7 +60,8 @@ class Run:
 
     def xfail_if_mpich_crashed(self, when):
         """When the job ended in SIGSEGV (exit 11 or 139): MPICH 5.0.2's own crash in a
-        survivor after a peer's death (README, issue 12: about 1 kill in 20-80), not
+        survivor after a peer's death (docs/guides/failures.md "Known: MPICH 5.0.2 itself
+        crashes", issue 12: about 1 kill in 20-80), not
         hpcadapt's and not a hang: an xfail once nothing of the job is left."""
         if self.proc.poll() in (11, 139):
             self.assert_no_process_left()
@@ -250,7 +251,8 @@ def test_rank_0_killed_under_the_agent_is_recovered_and_its_role_moves(tmp_path)
 def _unless_mpich_crashed(run, wait):
     """``wait()``; when the job ended because MPICH itself crashed in a survivor (SIGSEGV,
     exit 11, the launcher's banner on the agent's output: the one known failure that is not
-    hpcadapt's, see the README), an xfail saying so, after checking nothing is left."""
+    hpcadapt's, see docs/guides/failures.md "Known: MPICH 5.0.2 itself crashes"), an xfail
+    saying so, after checking nothing is left."""
     try:
         return wait()
     except AssertionError:

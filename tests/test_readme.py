@@ -1,6 +1,6 @@
-"""The README's "Your own training script", followed literally: its script is saved under
-the name it gives, and its commands run as written (with `python` and `mpiexec` the ones of
-this test run) on real MPI ranks."""
+"""The user-script guide, docs/guides/own-script.md ("Your own training script", linked from
+the README), followed literally: its script is saved under the name it gives, and its commands
+run as written (with `python` and `mpiexec` the ones of this test run) on real MPI ranks."""
 
 from __future__ import annotations
 
@@ -17,13 +17,25 @@ import pytest
 
 from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown, wait_for
 
-README = (ROOT / "README.md").read_text(encoding="utf-8")
+GUIDE = (ROOT / "docs" / "guides" / "own-script.md").read_text(encoding="utf-8")
 
 
 def _section(title: str) -> str:
-    start = README.index(f"## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start:end if end > 0 else None]
+    """The page from its heading `# {title}` (any level) to the next heading of that level or
+    above outside code blocks (a script's `# comment` is no heading), or to the page's end:
+    the whole guide for its own title."""
+    lines, fenced, start, level = GUIDE.split("\n"), False, None, 0
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        heading = None if fenced else re.match(r"(#+) (.*)$", line)
+        if heading and start is None and heading.group(2) == title:
+            start, level = i, len(heading.group(1))
+        elif heading and start is not None and len(heading.group(1)) <= level:
+            return "\n".join(lines[start:i])
+    assert start is not None, f"no heading {title!r} in docs/guides/own-script.md"
+    return "\n".join(lines[start:])
 
 
 def _blocks(text: str) -> List[str]:
@@ -91,7 +103,7 @@ def test_plain_and_adaptive_runs_and_the_plot(folder):
 
 @pytest.mark.slow
 def test_the_elastic_command_grows_and_shrinks(folder):
-    """The README's command, trained until told (a joiner needs seconds to start however
+    """The guide's command, trained until told (a joiner needs seconds to start however
     fast the steps are): a stop file ends it once both resizes are done."""
     stop, metrics = folder / "stop-elastic", folder / "elastic.jsonl"
     argv = _command("--max-workers 3") + ["--epochs", "1000", "--stop-file", str(stop),

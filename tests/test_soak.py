@@ -57,7 +57,8 @@ def _soak(tmp_path, events, extra):
 
 
 MPICH_CRASH = ("MPICH 5.0.2 crashed (SIGSEGV, exit 11) inside MPI after a peer's death, "
-               "before hpcadapt could see it (README: 'Known: MPICH 5.0.2 itself crashes')")
+               "before hpcadapt could see it (docs/guides/failures.md: "
+               "'Known: MPICH 5.0.2 itself crashes')")
 
 
 def _check(result, log, events):

@@ -1,4 +1,4 @@
-"""A user's own script as the README's library section writes it (own model, optimizer and
+"""A user's own script as docs/guides/own-script.md writes it (own model, optimizer and
 loader, the job's flags on its own parser): the flag-combination matrix runs it beside the
 entry point."""
 
