@@ -105,6 +105,15 @@ def take_join_dir() -> Optional[str]:
 SPAWNED_VARIABLE = "HPCADAPT_SPAWNED"
 
 
+SPARE_OF_VARIABLE = "HPCADAPT_SPARE_OF"
+
+
+def take_spare_mark() -> str:
+    """``HPCADAPT_SPARE_OF``: ``NODE:PID`` of the rank 0 that spawned this worker as a warm
+    spare (Open MPI); "" in any other worker. Removed once read."""
+    return os.environ.pop(SPARE_OF_VARIABLE, "")
+
+
 def take_spawned_mark() -> bool:
     """``HPCADAPT_SPAWNED``: set (through MPI_Comm_spawn's info) in a worker that the job
     started with MPI_Comm_spawn to join it (Open MPI); removed once read, like the join

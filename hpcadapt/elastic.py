@@ -50,7 +50,7 @@ from . import runtime as _rt  # noqa: F401 (first: it sets MPI's environment)
 from mpi4py import MPI  # noqa: E402
 
 from .allocator import Allocator, Worker
-from .config import JOIN_DIR_VARIABLE, SPAWNED_VARIABLE
+from .config import JOIN_DIR_VARIABLE, SPARE_OF_VARIABLE, SPAWNED_VARIABLE
 from .errors import AllocationError, MembershipError
 from .mpiflavour import flavour
 from .runtime import PeerFailure as PeerFailureType
@@ -357,6 +357,7 @@ class _JoinerWatch:
 _READY_TAG = 7709   # a spawned joiner to rank 0: ready (its pid)
 _WORD_TAG = 7710    # rank 0 to a spawned joiner: [GO or GIVE_UP, its place, joiners]
 _CHAIN_TAG = 7711   # the intercommunicators that chain the joiners into one world
+_PORT_TAG = 7712    # rank 0 to a warm spare (Open MPI): the port to connect to
 GO, GIVE_UP = 1, 0
 
 
@@ -437,16 +438,7 @@ class _SpawnedGrow:
                                tag=_WORD_TAG)
             for inter in self.inters:
                 pair = inter.Merge(high=False)   # the parents, then this joiner
-                if self.count == 1:
-                    current = pair
-                else:
-                    link = current.Create_intercomm(0, pair, parents, tag=_CHAIN_TAG)
-                    merged = link.Merge(high=False)
-                    link.Free()
-                    pair.Free()
-                    if current is not self.comm:
-                        current.Free()
-                    current = merged
+                current = _chain(current, pair, parents, self.count, self.comm)
                 inter.Disconnect()
         except MPI.Exception as exc:
             self.give_up()
@@ -470,19 +462,177 @@ class _SpawnedGrow:
                 if ready or why:
                     break
                 time.sleep(0.01)
-            for inter in self.inters:
-                word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
-                try:
-                    request = inter.Isend(word, dest=0, tag=_WORD_TAG)
-                    while wait_s and not request.Test() and time.perf_counter() < t_end:
-                        time.sleep(0.001)
-                    ABANDONED.extend([word, request])
-                except MPI.Exception:
-                    pass  # that joiner is dead
+            _tell_give_up(self.inters, t_end)
         ABANDONED.extend([self.inters, self.comm, self.thread])
 
 
-def join_spawning_job(deadline_s: float) -> MPI.Intracomm:
+def _chain(current: MPI.Intracomm, pair: MPI.Intracomm, parents: int, count: int,
+           base: MPI.Intracomm) -> MPI.Intracomm:
+    """The running job's side of one joiner's merge: ``pair`` (the parents, then that
+    joiner) joins the world so far (``current``: the joiners before it too) into one; with
+    a single joiner the pair is the new world. ``base`` (the parents' own) is kept."""
+    if count == 1:
+        return pair
+    link = current.Create_intercomm(0, pair, parents, tag=_CHAIN_TAG)
+    merged = link.Merge(high=False)
+    link.Free()
+    pair.Free()
+    if current is not base:
+        current.Free()
+    return merged
+
+
+class _SparePool:
+    """Open MPI, rank 0: warm spares for ``--warm-spares``. Each is spawned by rank 0 alone
+    (``MPI_COMM_SELF``; one spawn at a time, in a background thread), so a later death of
+    another rank leaves it usable: a grow hands it a port to connect to the world of that
+    moment. (A spare spawned by the whole world is tied to that world, and crashed or hung
+    at its exit once a rank of it had died: measured on Open MPI 5.0.11.)"""
+
+    def __init__(self, argv: Sequence[str]):
+        self.argv = list(argv)
+        self.spares: List[list] = []   # [intercommunicator, ready request, pid buffer]
+        self.thread: Optional[threading.Thread] = None
+        self.error = ""
+        self.reported = 0              # spares said ready so far (the log line)
+
+    def fill(self, want: int) -> None:
+        """Start one more spare when fewer than ``want`` are up or starting."""
+        if self.error or (self.thread is not None and self.thread.is_alive()):
+            return
+        if len(self.spares) < want:
+            self.thread = threading.Thread(target=self._spawn, name="hpcadapt-spare",
+                                           daemon=True)
+            self.thread.start()
+
+    def _spawn(self) -> None:
+        info = MPI.Info.Create()
+        try:
+            info.Set("PMIX_ENVAR", f"{SPAWNED_VARIABLE}=1\n"
+                                   f"{SPARE_OF_VARIABLE}={_rt.node_key()}:{os.getpid()}")
+            info.Set("wdir", os.getcwd())
+            inter = MPI.COMM_SELF.Spawn(sys.executable, args=self.argv, maxprocs=1, info=info,
+                                        root=0)
+            inter.Set_errhandler(MPI.ERRORS_RETURN)
+            pid = np.zeros(1, dtype=np.int64)
+            self.spares.append([inter, inter.Irecv(pid, source=0, tag=_READY_TAG), pid])
+        except MPI.Exception as exc:
+            self.error = f"MPI_Comm_spawn failed: {exc.Get_error_string()}"
+        finally:
+            info.Free()
+
+    def ready(self) -> List[list]:
+        """The spares ready now; one that died is dropped (one line)."""
+        out = []
+        for spare in list(self.spares):
+            try:
+                if spare[1].Test():
+                    out.append(spare)
+            except MPI.Exception as exc:
+                log.error("a warm spare died before it was used (%s)", exc.Get_error_string())
+                self.spares.remove(spare)
+                ABANDONED.append(spare[0])
+        if len(out) > self.reported:
+            log.info("warm spares ready: %d (pids %s)", len(out),
+                     [int(sp[2][0]) for sp in out])
+        self.reported = len(out)
+        return out
+
+    def take(self, count: int) -> List[list]:
+        taken = self.ready()[:count]
+        for spare in taken:
+            self.spares.remove(spare)
+        self.reported = len(self.ready())
+        return taken
+
+    def give_up(self, wait_s: float) -> None:
+        """Tell every spare to exit (each once it is ready, bounded by ``wait_s``: one that
+        hears the word before its start-up is done blocks in Open MPI's connection set-up)."""
+        t_end = time.perf_counter() + wait_s
+        if self.thread is not None:
+            self.thread.join(timeout=wait_s)
+        while self.spares and len(self.ready()) < len(self.spares) and \
+                time.perf_counter() < t_end:
+            time.sleep(0.01)
+        _tell_give_up([sp[0] for sp in self.spares], t_end)
+        self.spares = []
+
+
+def _tell_give_up(inters: Sequence[MPI.Intercomm], t_end: float) -> None:
+    """Rank 0: GIVE_UP to each joiner or spare behind ``inters`` (a completed send where it
+    completes by ``t_end``; a dead one is skipped)."""
+    for inter in inters:
+        word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
+        try:
+            request = inter.Isend(word, dest=0, tag=_WORD_TAG)
+            while not request.Test() and time.perf_counter() < t_end:
+                time.sleep(0.001)
+            ABANDONED.extend([word, request])
+        except MPI.Exception:
+            pass  # that process is dead
+    ABANDONED.extend(inters)
+
+
+class _SpareGrow:
+    """Open MPI: a grow served by warm spares (rank 0 holds them): rank 0 sends each its
+    place and a port, the world accepts them one after the other on that port and chains
+    them into one world as spawned joiners are; then rank 0 lets go of each spare's spawn."""
+
+    def __init__(self, comm: MPI.Intracomm, spares: List[list], count: int):
+        self.comm = comm
+        self.spares = spares   # rank 0's; empty elsewhere
+        self.count = count
+
+    def ready(self) -> Tuple[bool, str]:
+        return True, ""
+
+    def merge(self) -> MPI.Intracomm:
+        if _rt.ULFM:
+            try:
+                self.comm.Agree(1)   # as _SpawnedGrow.merge: every parent lives
+            except MPI.Exception:
+                self.give_up()
+                raise
+        root = self.comm.Get_rank() == 0
+        port = MPI.Open_port() if root else ""
+        current, parents = self.comm, self.comm.Get_size()
+        try:
+            for i, spare in enumerate(self.spares):
+                spare[0].Send(np.array([GO, i, self.count], dtype=np.int64), dest=0,
+                              tag=_WORD_TAG)
+                spare[0].Send(np.frombuffer(port.encode(), dtype=np.uint8), dest=0,
+                              tag=_PORT_TAG)
+            for _ in range(self.count):
+                bridge = self.comm.Accept(port, root=0)
+                current = _chain(current, bridge.Merge(high=False), parents, self.count,
+                                 self.comm)
+                bridge.Disconnect()
+            for spare in self.spares:
+                spare[0].Disconnect()
+        except MPI.Exception as exc:
+            raise JoinAborted(f"a warm spare died while it merged "
+                              f"({exc.Get_error_string()})") from None
+        finally:
+            if root:
+                MPI.Close_port(port)
+        return current
+
+    def give_up(self, wait_s: float = 0.0) -> None:
+        _tell_give_up([sp[0] for sp in self.spares], time.perf_counter() + wait_s)
+        self.spares = []
+
+
+def _spare_parent_gone(spare_of: str) -> bool:
+    """A warm spare: whether the rank 0 that spawned it is known dead (its pid gone from
+    this node; from another node nothing is known until the job's end)."""
+    try:
+        node, pid = (int(x) for x in spare_of.split(":"))
+    except ValueError:
+        return False
+    return node == _rt.node_key() and not _rt.pid_alive(pid)
+
+
+def join_spawning_job(deadline_s: float, spare_of: str = "") -> MPI.Intracomm:
     """In a worker the job spawned (Open MPI): say it is ready to rank 0, wait for its word
     (bounded by ``deadline_s``; the job's death is an MPI error under ULFM), merge with the
     job and then take part in merging the joiners after it; returns the job's new
@@ -501,7 +651,9 @@ def join_spawning_job(deadline_s: float) -> MPI.Intracomm:
         while not heard.Test():
             if time.perf_counter() > t_end:
                 raise MembershipError(f"no word from the job within {deadline_s:.0f} s")
-            time.sleep(0.005)
+            if spare_of and _spare_parent_gone(spare_of):
+                raise MembershipError("the rank that started this warm spare is gone")
+            time.sleep(0.05 if spare_of else 0.005)
         sent.Wait()
     except MPI.Exception as exc:
         raise MembershipError(f"the job that spawned this worker is gone "
@@ -510,7 +662,14 @@ def join_spawning_job(deadline_s: float) -> MPI.Intracomm:
         raise MembershipError("the job gave the grow up")
     place, count = int(word[1]), int(word[2])
     try:
-        pair = parent.Merge(high=True)
+        bridge = parent
+        if spare_of:   # a warm spare connects to the world of this moment through a port
+            port = np.zeros(MPI.MAX_PORT_NAME, dtype=np.uint8)
+            status = MPI.Status()
+            parent.Recv(port, source=0, tag=_PORT_TAG, status=status)
+            bridge = MPI.COMM_SELF.Connect(port[:status.Get_count()].tobytes().decode(),
+                                           root=0)
+        pair = bridge.Merge(high=True)
         if count == 1:
             current = pair
         else:
@@ -518,13 +677,15 @@ def join_spawning_job(deadline_s: float) -> MPI.Intracomm:
             current = link.Merge(high=True)
             link.Free()
             pair.Free()
-        parent.Disconnect()
+        bridge.Disconnect()
         for _ in range(place + 1, count):   # the joiners after this one
             link = current.Create_intercomm(0, MPI.COMM_SELF, 0, tag=_CHAIN_TAG)
             merged = link.Merge(high=False)
             link.Free()
             current.Free()
             current = merged
+        if spare_of:
+            parent.Disconnect()   # rank 0 lets go of the spare's spawn last
     except MPI.Exception as exc:
         raise JoinAborted(f"the merge with the job failed ({exc.Get_error_string()})") \
             from None
@@ -566,7 +727,11 @@ class ElasticController:
         self.left = False      # this process has left the job
         # Open MPI: joiners are spawned by the job (every rank holds the pending spawn)
         self.spawns = flavour().open_mpi
-        self._spawned: Optional[_SpawnedGrow] = None
+        self._spawned = None   # the pending _SpawnedGrow or _SpareGrow (Open MPI)
+        # Open MPI, --warm-spares: known on every rank (whether a grow asks rank 0 for
+        # spares); the pool is rank 0's
+        self.spare_pool_used = False
+        self._pool = _SparePool(self.joiner_argv) if self.spawns else None
 
     # -- requests (every rank, at the same point) -----------------------------------------
     def clip(self, new_size: int, reason: str) -> Optional[int]:
@@ -644,11 +809,22 @@ class ElasticController:
         background (a worker started from outside cannot connect to this launch there)."""
         count = target - self.world.size
         now = time.perf_counter()
-        self._spawned = _SpawnedGrow(self.world.comm, self.joiner_argv, count)
+        spares: List[list] = []
+        from_spares = False
+        if self.spare_pool_used:
+            # Rank 0 says whether its warm spares serve the whole grow (else it spawns).
+            enough = self.world.rank == 0 and len(self._pool.ready()) >= count
+            from_spares = _bcast_flag(self.world.comm, enough, self.world.watch)
+        if from_spares:
+            spares = self._pool.take(count) if self.world.rank == 0 else []
+            reason = f"{reason}; from warm spares"
+            self._spawned = _SpareGrow(self.world.comm, spares, count)
+        else:
+            self._spawned = _SpawnedGrow(self.world.comm, self.joiner_argv, count)
         self.pending = _PendingGrow(target, reason, "", [], [], now, now + self.join_timeout)
         if self.world.rank == 0:
-            log.info("grow %d -> %d: spawning %d joining workers (%s)", self.world.size,
-                     target, count, reason)
+            log.info("grow %d -> %d: %s %d joining workers (%s)", self.world.size, target,
+                     "taking" if spares else "spawning", count, reason)
         self.growing = True
         return None
 
@@ -752,10 +928,7 @@ class ElasticController:
         if self.world.rank != 0 or self.warm_spares <= 0 or self.growing:
             return
         if self.spawns:
-            log.warning("--warm-spares is not available on Open MPI yet (joiners are spawned "
-                        "by the whole job when it grows, about 1.2 s in the background): "
-                        "no spares are kept")
-            self.warm_spares = 0
+            self._keep_spawned_spares()
             return
         for ticket, worker in list(self.spares):
             why = worker.failed()
@@ -793,8 +966,24 @@ class ElasticController:
                 return
             self.spares.append((JoinTicket(directory, 0), worker))
 
-    def stop_spares(self) -> None:
-        """Rank 0: stop the spares and remove their folders (at the end of training)."""
+    def _keep_spawned_spares(self) -> None:
+        """Open MPI, rank 0: spawn spares until ``warm_spares`` are up or starting, within
+        the launch's free slots; a spawn that fails stops the spares (one line)."""
+        self._pool.fill(min(self.warm_spares,
+                            max(self.allocator.capacity() - self.world.size, 0)))
+        self._pool.ready()   # drops the dead, says when more are ready
+        if self._pool.error:
+            log.error("a warm spare could not be started (%s): no more spares",
+                      self._pool.error)
+            self.warm_spares = 0
+
+    def stop_spares(self, wait_s: float = 10.0) -> None:
+        """Rank 0: stop the spares and remove their folders (at the end of training);
+        Open MPI's spawned spares are told to exit (bounded by ``wait_s``, and by the
+        kernel: a spare's crash has deadlocked Open MPI itself in such a wait)."""
+        if self._pool is not None and (self._pool.spares or self._pool.thread is not None):
+            with _rt.KernelDeadline(wait_s + 30.0):
+                self._pool.give_up(wait_s)
         for ticket, worker in self.spares:
             worker.stop()
             if os.path.isdir(ticket.directory):

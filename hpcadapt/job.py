@@ -191,6 +191,7 @@ class Job:
             raise on_every_rank(ConfigurationError(why))
         self._join_dir = config.take_join_dir()
         self._spawned_to_join = config.take_spawned_mark()  # Open MPI's grow
+        self._spare_of = config.take_spare_mark()  # Open MPI: a warm spare, whose rank 0
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period,
                                            o.max_delay, o.async_round_steps)
@@ -361,6 +362,7 @@ class Job:
         # goes on, instead of the job ending (the 200-event soak met exactly that race).
         self.elastic.accept_timeout = o.peer_timeout / 3
         self.elastic.warm_spares = 0 if self.joining else o.warm_spares
+        self.elastic.spare_pool_used = bool(o.warm_spares) and self.elastic.spawns
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               loader: ElasticDataLoader, *, extra: Optional[Mapping[str, Any]] = None,
@@ -1748,12 +1750,16 @@ class Job:
         from .elastic import JoinAborted, ResizeOutcome, join_spawning_job
 
         wait_s = self.options.join_timeout + self.options.peer_timeout
+        if self._spare_of:
+            # A warm spare waits until a grow takes it (or its rank 0 is gone, or the job
+            # tells it to go); its merge is bounded like a joiner's.
+            wait_s = float("inf")
         try:
             # Bounded twice: the wait for the job's word has its deadline, and the watchdog
             # ends this process when Open MPI's connection set-up blocks (the job is gone).
             with world_mod.Watchdog(wait_s + 10.0, "waiting for the job's word",
                                     _give_up_join):
-                merged = join_spawning_job(wait_s)
+                merged = join_spawning_job(wait_s, self._spare_of)
         except MembershipError as exc:
             # The job gave the grow up, or ended: nothing failed here. This process's exit
             # is part of the launch's (mpirun's), whose code is the training's: exit 0

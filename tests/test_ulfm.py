@@ -198,6 +198,36 @@ def test_replace_failed_grows_back_to_the_target_with_identical_replicas(tmp_pat
     every_sample_once(run.samples)
 
 
+def test_a_warm_spare_replaces_a_dead_rank(tmp_path):
+    """--warm-spares 1 on Open MPI: rank 0 keeps one spare spawned ahead (the free slot of
+    --max-workers 4 beside 3 workers); rank 1 is SIGKILLed, and --replace-failed takes the
+    spare, which connects to the shrunk world through a port: the job trains at 3 again with
+    identical replicas. Rank 0 spawns a new spare, told to go at the end: exit 0, every
+    sample once."""
+    stop = tmp_path / "STOP"
+    run = Launch(tmp_path, 3, _short(1000, "--max-workers", "4", "--warm-spares", "1",
+                                     "--replace-failed", "--stop-file", str(stop)))
+    run.wait_for(lambda: "warm spares ready: 1" in run.stderr(), "a warm spare")
+    run.wait_for_step(20)
+    pids = run.kill([1])
+
+    def replaced():
+        return [r for r in run.rows("resize") if r["ok"] and "from warm spares" in r["reason"]]
+
+    grow = run.wait_for(replaced, "the replacement by the spare")[0]
+    run.wait_for_step(grow["step"] + 20)
+    stop.write_text("")
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], f["dead"]) for f in failures] == [(True, [1])], failures
+    assert (grow["old_size"], grow["new_size"], grow["replicas_identical"]) == (2, 3, True)
+    assert run.rows("step")[-1]["world_size"] == 3
+    assert not [p for p in pids if alive(p)]
+    assert "Traceback" not in run.stderr(), run.stderr()[-3000:]
+    every_sample_once(run.samples)
+
+
 @pytest.mark.parametrize("agent", [False, True], ids=["mpirun", "agent"])
 def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_path, agent):
     """One rank launched, two spawned (--initial-workers 3: one spawn each, since Open MPI's
