@@ -900,12 +900,18 @@ class ElasticController:
         self._finish_grow()
         return ResizeOutcome(self.world.size, target, f"{reason}; abandoned: {detail}", 0.0, False)
 
+    def remove_join_folders(self) -> None:
+        """Rank 0: the pending grow's join folders go (also when the job ends by a failure:
+        the port and the communicators are then left to the exit)."""
+        for directory in sorted({t.directory for t in self.pending.tickets}
+                                if self.pending is not None else ()):
+            if os.path.isdir(directory):
+                _remove_folder(directory)
+
     def _finish_grow(self) -> None:
         if self.pending is not None and self.pending.port:
             MPI.Close_port(self.pending.port)
-        if self.pending is not None:
-            for directory in sorted({t.directory for t in self.pending.tickets}):
-                _remove_folder(directory)
+        self.remove_join_folders()
         self.pending = None
         self.growing = False
 

@@ -1532,6 +1532,7 @@ class Job:
             self.elastic.stop_spares()
             for w in self.elastic.pending.workers if self.elastic.pending is not None else []:
                 w.stop()
+            self.elastic.remove_join_folders()  # a pending grow's (its joiners are stopped)
         if self.allocator is not None:
             try:
                 self.allocator.close(10.0)   # joined workers end on their own; then killed
