@@ -202,8 +202,8 @@ def test_a_warm_spare_replaces_a_dead_rank(tmp_path):
     """--warm-spares 1 on Open MPI: rank 0 keeps one spare spawned ahead (the free slot of
     --max-workers 4 beside 3 workers); rank 1 is SIGKILLed, and --replace-failed takes the
     spare, which connects to the shrunk world through a port: the job trains at 3 again with
-    identical replicas. Rank 0 spawns a new spare, told to go at the end: exit 0, every
-    sample once."""
+    identical replicas. Rank 0 spawns a new spare (the test stops the job once it is ready),
+    told to go at the end: exit 0, every sample once."""
     stop = tmp_path / "STOP"
     run = Launch(tmp_path, 3, _short(1000, "--max-workers", "4", "--warm-spares", "1",
                                      "--replace-failed", "--stop-file", str(stop)))
@@ -216,6 +216,7 @@ def test_a_warm_spare_replaces_a_dead_rank(tmp_path):
 
     grow = run.wait_for(replaced, "the replacement by the spare")[0]
     run.wait_for_step(grow["step"] + 20)
+    run.wait_for(lambda: run.stderr().count("warm spares ready: 1") >= 2, "a new spare")
     stop.write_text("")
     code = run.finish()
     assert code == 0, run.stderr()[-4000:]
