@@ -724,7 +724,6 @@ class ElasticController:
         self.spares: List[Tuple[JoinTicket, Worker]] = []
         self._clip_logged = False
         self.growing = False   # known on every rank: a grow is pending
-        self.left = False      # this process has left the job
         # Open MPI: joiners are spawned by the job (every rank holds the pending spawn)
         self.spawns = flavour().open_mpi
         self._spawned = None   # the pending _SpawnedGrow or _SpareGrow (Open MPI)

@@ -286,7 +286,6 @@ class Job:
         self._sample_file = None
         self._async_work = None     # a bounded-delay worker's batch in progress
         self._async_totals: Dict[str, Any] = {}  # rank 0: bounded-delay rounds so far
-        self._bar = None
         self._identical_after_resize: Optional[bool] = None
         self._epoch_samples = 0
         self._epoch_losses: List[float] = []
