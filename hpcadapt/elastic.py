@@ -417,16 +417,7 @@ class _SpawnedGrow:
         self.thread.join()  # returned or about to: the spawn is collective
         if self.error or len(self.inters) < self.count:
             raise JoinAborted(self.error or "the spawn did not return")
-        if _rt.ULFM:
-            # MPI_Intercomm_merge stays blocked on a parent that died (revoking does not
-            # release it): the parents first agree that all of them live (a ULFM agreement
-            # ends on every survivor with the same outcome); a death is the job's own
-            # failure, which the caller recovers from, and the joiners are let go.
-            try:
-                self.comm.Agree(1)
-            except MPI.Exception:
-                self.give_up()
-                raise
+        _parents_all_alive(self)
         parents = self.comm.Get_size()
         current = self.comm
         try:
@@ -464,6 +455,26 @@ class _SpawnedGrow:
                 time.sleep(0.01)
             _tell_give_up(self.inters, t_end)
         ABANDONED.extend([self.inters, self.comm, self.thread])
+
+
+def _parents_all_alive(grow) -> None:
+    """Before a grow (spawned joiners or warm spares) merges: MPI_Intercomm_merge stays
+    blocked on a parent that died (revoking does not release it), so the parents first agree
+    that all of them live (under ULFM: the same outcome on every survivor). A death is the
+    job's own failure, raised for the caller to recover from; the joiners are let go."""
+    try:
+        _rt.agree_all_alive(grow.comm)
+    except MPI.Exception:
+        grow.give_up()
+        raise
+
+
+def _give_up_bounded(grow_or_pool, wait_s: float) -> None:
+    """``give_up(wait_s)`` of a pending grow or of the spare pool, bounded by the kernel too
+    when it waits: a joiner's crash has deadlocked Open MPI itself in such a wait (the Open
+    MPI soak), below any deadline of this code."""
+    with _rt.KernelDeadline(wait_s + 30.0) if wait_s > 0 else nullcontext():
+        grow_or_pool.give_up(wait_s)
 
 
 def _chain(current: MPI.Intracomm, pair: MPI.Intracomm, parents: int, count: int,
@@ -542,7 +553,7 @@ class _SparePool:
         taken = self.ready()[:count]
         for spare in taken:
             self.spares.remove(spare)
-        self.reported = len(self.ready())
+        self.reported -= len(taken)
         return taken
 
     def give_up(self, wait_s: float) -> None:
@@ -587,12 +598,7 @@ class _SpareGrow:
         return True, ""
 
     def merge(self) -> MPI.Intracomm:
-        if _rt.ULFM:
-            try:
-                self.comm.Agree(1)   # as _SpawnedGrow.merge: every parent lives
-            except MPI.Exception:
-                self.give_up()
-                raise
+        _parents_all_alive(self)
         root = self.comm.Get_rank() == 0
         port = MPI.Open_port() if root else ""
         current, parents = self.comm, self.comm.Get_size()
@@ -890,11 +896,7 @@ class ElasticController:
             for w in self.pending.workers:
                 w.stop()
         if self._spawned is not None:
-            # Bounded by the kernel too: a joiner's crash has deadlocked Open MPI itself in
-            # this wait (the Open MPI soak), below any deadline of this code.
-            bound = _rt.KernelDeadline(wait_s + 30.0) if wait_s > 0 else nullcontext()
-            with bound:
-                self._spawned.give_up(wait_s)
+            _give_up_bounded(self._spawned, wait_s)
             self._spawned = None
         self._finish_grow()
         return ResizeOutcome(self.world.size, target, f"{reason}; abandoned: {detail}", 0.0, False)
@@ -987,8 +989,7 @@ class ElasticController:
         Open MPI's spawned spares are told to exit (bounded by ``wait_s``, and by the
         kernel: a spare's crash has deadlocked Open MPI itself in such a wait)."""
         if self._pool is not None and (self._pool.spares or self._pool.thread is not None):
-            with _rt.KernelDeadline(wait_s + 30.0):
-                self._pool.give_up(wait_s)
+            _give_up_bounded(self._pool, wait_s)
         for ticket, worker in self.spares:
             worker.stop()
             if os.path.isdir(ticket.directory):

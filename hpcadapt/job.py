@@ -191,7 +191,7 @@ class Job:
             raise on_every_rank(ConfigurationError(why))
         self._join_dir = config.take_join_dir()
         self._spawned_to_join = config.take_spawned_mark()  # Open MPI's grow
-        self._spare_of = config.take_spare_mark()  # Open MPI: a warm spare, whose rank 0
+        self._spare_of = config.take_spare_mark()  # Open MPI: a warm spare's rank 0 (NODE:PID)
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period,
                                            o.max_delay, o.async_round_steps)
