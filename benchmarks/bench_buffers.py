@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hpcadapt  # noqa: E402
 from common import interleaved  # noqa: E402
-from hpcadapt.collectives import MPICommunicator  # noqa: E402
+from hpcadapt.comm.collectives import MPICommunicator  # noqa: E402
 from hpcadapt.models import build_model  # noqa: E402
-from hpcadapt.parallel import BufferBroadcast  # noqa: E402
+from hpcadapt.parallel.optimizer import BufferBroadcast  # noqa: E402
 
 
 def main() -> None:

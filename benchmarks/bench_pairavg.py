@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 
 import hpcadapt
-from hpcadapt.pairavg import PairExchange
+from hpcadapt.parallel.pairavg import PairExchange
 
 
 def main() -> None:

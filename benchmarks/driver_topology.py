@@ -1,4 +1,4 @@
-"""topology: the allreduce topologies side by side (``hpcadapt.topology``), by default on 4
+"""topology: the allreduce topologies side by side (``hpcadapt.comm.topology``), by default on 4
 ranks in 2 emulated nodes of 2 (``--ranks-per-node 2``), measured in one run.
 
 What is measured, and how: float32 arrays of 4 KB to 64 MB (``--sizes``), reduced with
@@ -44,8 +44,8 @@ def parse_sizes(text: str) -> Dict[str, int]:
 
 
 def parse_args(name: str, extra: List[str]) -> argparse.Namespace:
-    from hpcadapt.errors import ConfigurationError
-    from hpcadapt.topology import parse_ranks_per_node
+    from hpcadapt.base.errors import ConfigurationError
+    from hpcadapt.comm.topology import parse_ranks_per_node
     from launch import quick_defaults
 
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
@@ -107,7 +107,7 @@ def worker(argv: Optional[List[str]] = None) -> None:
     import hpcadapt
     from common import interleaved, median, single_thread, write_result
     from hpcadapt import ReduceOp
-    from hpcadapt.topology import Topology, build_topology
+    from hpcadapt.comm.topology import Topology, build_topology
 
     args = parse_args("topology", sys.argv[1:] if argv is None else argv)
     if args.out is None:

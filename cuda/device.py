@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 __all__ = ["DEVICES", "DeviceChoice", "gpu_problems", "choose_device", "INSTALL_HINT"]
 

@@ -13,7 +13,7 @@ from typing import Any, Dict
 
 import numpy as np
 
-from hpcadapt.errors import CommunicationError
+from hpcadapt.base.errors import CommunicationError
 
 from .streams import StreamHandle, TorchStreamOps
 
@@ -39,13 +39,13 @@ def nccl_dtype(dtype: Any) -> int:
 class NCCLCommunicator:
     """Collectives over NCCL for the ranks of ``comm`` (an MPI intracommunicator), on CUDA
     device ``device`` (this rank's own GPU). Rebuild it on every cluster version
-    (``hpcadapt.dataplane.DataPlane`` does)."""
+    (``hpcadapt.parallel.dataplane.DataPlane`` does)."""
 
     def __init__(self, comm, device: int, watch=None):
         import cupy
         from cupy.cuda import nccl
 
-        from hpcadapt.runtime import wait_request
+        from hpcadapt.comm.world import wait_request
 
         self._nccl = nccl
         self.rank, self.size = comm.Get_rank(), comm.Get_size()

@@ -3,10 +3,10 @@
 import sys
 
 # First, before torch loads: a stop signal from the scheduler waits until it can be handled.
-from hpcadapt.preemption import block_stop_signals
+from hpcadapt.base.preemption import block_stop_signals
 
 block_stop_signals()
 
-from .train import main  # noqa: E402
+from hpcadapt.train import main  # noqa: E402
 
 sys.exit(main())

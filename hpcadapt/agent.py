@@ -13,7 +13,7 @@ step) waits on has ended. The agent is what they wait on instead, as torchrun's 
   exit code, which becomes the agent's own. Without that file (no coordinator got to the
   end: every worker died) the agent exits with its first launch's code.
 
-Workers run under an agent recover from rank 0's death (``hpcadapt.recovery``); without
+Workers run under an agent recover from rank 0's death (``hpcadapt.elastic.recovery``); without
 one, rank 0's death ends the job as it always has."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from typing import List, Optional, Set
 
-from . import config
+from hpcadapt.base import config
 
 __all__ = ["main", "record_coordinator", "record_exit_code", "agent_pid"]
 

@@ -13,13 +13,13 @@ from typing import List, Optional
 from hpcadapt.policies import POLICIES, add_policy_arguments, argparse_type, params
 from hpcadapt.policies.lr_rules import RULE_PARAMS
 
-from .allocator import LAUNCHERS
-from .engine import RESIZE_BATCH
-from .lifecycle import is_first_rank
-from .monitor import MONITORS
-from .preemption import EXIT_REQUEUE, parse_signal
-from .strategy import STRATEGIES, Strategy
-from .topology import Topology, parse_ranks_per_node
+from hpcadapt.elastic.allocator import LAUNCHERS
+from hpcadapt.loop.engine import RESIZE_BATCH
+from hpcadapt.base.lifecycle import is_first_rank
+from hpcadapt.loop.monitor import MONITORS
+from hpcadapt.base.preemption import EXIT_REQUEUE, parse_signal
+from hpcadapt.base.strategy import STRATEGIES, Strategy
+from hpcadapt.comm.topology import Topology, parse_ranks_per_node
 
 __all__ = ["add_arguments", "one_line_errors", "warn_unused_policy_flags", "refuse_inconsistent",
            "RESIZING_POLICIES", "ALLOCATORS", "RESIZE_BATCH",
@@ -51,7 +51,7 @@ def _factor(text: str) -> float:
 
 
 def _ranks_per_node(text: str) -> Optional[int]:
-    from .errors import ConfigurationError
+    from hpcadapt.base.errors import ConfigurationError
 
     try:
         return parse_ranks_per_node(text)

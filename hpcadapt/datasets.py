@@ -13,7 +13,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from .errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 __all__ = ["Dataset", "DATASETS", "load_dataset", "default_cache_dir"]
 

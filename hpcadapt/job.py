@@ -13,7 +13,7 @@ The job owns the step boundary: between two steps it writes the metrics, runs th
 (rank 0 decides, every rank applies the same typed plan), completes or starts resizes, and
 stops on a signal or a stop file. The training state (model, optimizer, data cursor,
 hyper-parameters, policy, monitor and RNG state, the user's state) lives in
-``hpcadapt.state.TrainingState``; the policy engine is a pure function of a snapshot."""
+``hpcadapt.state.training.TrainingState``; the policy engine is a pure function of a snapshot."""
 
 from __future__ import annotations
 
@@ -34,22 +34,23 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import agent, config, faults, lifecycle
-from . import runtime as world_mod
-from .collectives import ReduceOp, communicator
-from .engine import PolicyEngine
-from .errors import ConfigurationError, HpcAdaptError, MembershipError, on_every_rank
-from .loader import ElasticDataLoader, WalkKey, split_micro
-from .metrics import DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord
-from .mpiflavour import flavour
-from .monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
+from hpcadapt import agent
+from hpcadapt.base import config, faults, lifecycle
+from hpcadapt.comm import world as world_mod
+from hpcadapt.comm.collectives import ReduceOp, communicator
+from hpcadapt.loop.engine import PolicyEngine
+from hpcadapt.base.errors import ConfigurationError, HpcAdaptError, MembershipError, on_every_rank
+from hpcadapt.data.loader import ElasticDataLoader, WalkKey, split_micro
+from hpcadapt.base.metrics import DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord
+from hpcadapt.comm.mpiflavour import flavour
+from hpcadapt.loop.monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
                       estimate_from_replicas)
-from .parallel import DistributedOptimizer, GradientStats
-from .plan import Plan
-from .preemption import EXIT_REQUEUE, StopSignals
-from .rollback import StepCommit
-from .state import HyperParams, TrainingState, UserState
-from .strategy import Strategy
+from hpcadapt.parallel.optimizer import DistributedOptimizer, GradientStats
+from hpcadapt.base.plan import Plan
+from hpcadapt.base.preemption import EXIT_REQUEUE, StopSignals
+from hpcadapt.state.rollback import StepCommit
+from hpcadapt.state.training import HyperParams, TrainingState, UserState
+from hpcadapt.base.strategy import Strategy
 
 __all__ = ["Job", "JobOptions", "StepTimes"]
 
@@ -116,7 +117,7 @@ class JobOptions:
         """ConfigurationError when a policy's settings are unusable (it names the policy)."""
         from hpcadapt.policies import build_policies
 
-        from .args import warn_unused_policy_flags
+        from hpcadapt.args import warn_unused_policy_flags
 
         for message in warn_unused_policy_flags(args):
             log.warning("%s", message)
@@ -175,8 +176,8 @@ class Job:
     job (``HPCADAPT_JOIN_DIR`` set) joins it in ``setup``."""
 
     def __init__(self, args: Optional[argparse.Namespace] = None, **options: Any):
-        from .logs import setup_logging
-        from .preemption import block_stop_signals
+        from hpcadapt.base.logs import setup_logging
+        from hpcadapt.base.preemption import block_stop_signals
 
         block_stop_signals()  # until the handlers below are in place (before MPI starts)
         lifecycle.install_abort_on_exception()
@@ -184,7 +185,7 @@ class Job:
         self.options = JobOptions.from_args(args, **options) if args is not None \
             else JobOptions(**options)
         o = self.options
-        from .args import refuse_inconsistent
+        from hpcadapt.args import refuse_inconsistent
 
         why = refuse_inconsistent(o)
         if why:  # the same flags on every rank: said once, by rank 0
@@ -195,7 +196,7 @@ class Job:
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period,
                                            o.max_delay, o.async_round_steps)
-        from .topology import parse_ranks_per_node, parse_topology
+        from hpcadapt.comm.topology import parse_ranks_per_node, parse_topology
 
         parse_topology(o.topology)
         parse_ranks_per_node(o.ranks_per_node)
@@ -301,7 +302,7 @@ class Job:
     def _choose_device(self):
         """--device: this rank's device from its local rank (one GPU per rank; ranks share
         GPUs, over the host-staged plane, when a node has more ranks than GPUs)."""
-        from .cuda.device import choose_device
+        from hpcadapt.cuda.device import choose_device
 
         choice, error = None, ""
         try:
@@ -334,7 +335,7 @@ class Job:
         return o.data_plane
 
     def _setup_elastic(self) -> None:
-        from .elastic import ElasticController
+        from hpcadapt.elastic.membership import ElasticController
 
         o = self.options
         if o.max_workers < self.world.size and not self.joining:
@@ -487,7 +488,7 @@ class Job:
 
     def _agree(self, error: str) -> None:
         """Rank 0's verdict for everyone: ConfigurationError on every rank if it is one."""
-        from .parallel import broadcast_object_state
+        from hpcadapt.parallel.optimizer import broadcast_object_state
 
         verdict = broadcast_object_state({"error": error} if self.world.rank == 0 else None,
                                          world=self.world)
@@ -734,7 +735,7 @@ class Job:
                 "indices": part.indices.tolist()}) + "\n")
         return part, micro
 
-    # -- bounded-delay rounds (hpcadapt.bounded) ----------------------------------------
+    # -- bounded-delay rounds (hpcadapt.parallel.bounded) ----------------------------------------
     def _async_round(self) -> Iterator[Any]:
         """One round of bounded-delay aggregation: rank 0 aggregates, the other ranks yield
         the batches it hands them. Every rank starts from rank 0's model and ends with it;
@@ -742,9 +743,9 @@ class Job:
         small allreduce, and the round counts as ``ceil(samples / B)`` steps. Returns the
         round's samples (0 after a recovery: a peer died in the round, which is then
         trained again from the agreed state)."""
-        from .bounded import Aggregator, AsyncWorker, FlatModel
-        from .collectives import MPICommunicator
-        from .parallel import broadcast_parameters
+        from hpcadapt.parallel.bounded import Aggregator, AsyncWorker, FlatModel
+        from hpcadapt.comm.collectives import MPICommunicator
+        from hpcadapt.parallel.optimizer import broadcast_parameters
 
         st, o = self.state, self.options
         strategy, batch = st.strategy, st.hyper.batch_size
@@ -1185,7 +1186,7 @@ class Job:
         # decision, in the world that decided, before a resize changes it): a worker that
         # becomes the coordinator (rank 0 died) then holds it as of the last decision, so no
         # decision already applied is taken again.
-        from .parallel import broadcast_object_state
+        from hpcadapt.parallel.optimizer import broadcast_object_state
 
         state = broadcast_object_state({"policies": self.engine.state_dict()}
                                        if self.world.rank == 0 else None, world=self.world)
@@ -1227,11 +1228,11 @@ class Job:
         self._switch_strategy(strategy, reason)
 
     def switch_topology(self, topology: str, reason: str = "user request") -> None:
-        """The gradients' allreduce topology from the next step on (``hpcadapt.topology``:
+        """The gradients' allreduce topology from the next step on (``hpcadapt.comm.topology``:
         flat, hierarchical, ring, tree); every rank at the same point between steps. The
         new communicators are built collectively before the next step's first allreduce;
         the cluster version goes up."""
-        from .topology import parse_topology
+        from hpcadapt.comm.topology import parse_topology
 
         name = parse_topology(topology).value
         st = self.state
@@ -1259,7 +1260,7 @@ class Job:
         reduction order); out of bounded delay rank 0's optimizer state is broadcast.
         A peer dying in these collectives is recovered from like any step's: the plan is
         then dropped and the old strategy kept (the cluster version went up)."""
-        from .parallel import broadcast_optimizer_state, broadcast_parameters
+        from hpcadapt.parallel.optimizer import broadcast_optimizer_state, broadcast_parameters
 
         st = self.state
         old = st.strategy
@@ -1330,7 +1331,7 @@ class Job:
                 self._record_resize(failed)
 
     def _shrink(self, target: int, reason: str, remove: Optional[List[int]]) -> None:
-        from .elastic import ResizeOutcome, split_leavers
+        from hpcadapt.elastic.membership import ResizeOutcome, split_leavers
 
         old = self.world.size
         leavers = [r for r in (remove or []) if 0 < r < old][: old - target]
@@ -1350,7 +1351,7 @@ class Job:
         self._after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
 
     def _poll_elastic(self) -> None:
-        from .elastic import ABANDON, JOIN, JoinAborted, ResizeOutcome
+        from hpcadapt.elastic.membership import ABANDON, JOIN, JoinAborted, ResizeOutcome
 
         if self.elastic is None:
             return
@@ -1418,7 +1419,7 @@ class Job:
         agreed that one of them died and let the joiners go: the job recovers on its own.
         After it, every member of the merged world recovers together, the joiners too
         (they take the state from a survivor that holds it), so the grow is kept."""
-        from .elastic import ResizeOutcome
+        from hpcadapt.elastic.membership import ResizeOutcome
 
         if merged is not None:
             # Recorded first (by rank 0 while it lives; else the failure's old size says it).
@@ -1547,7 +1548,7 @@ class Job:
 
     def _recover(self, exc: BaseException, *, step_given_up: bool = False) -> None:
         """A peer died in the middle of a step or at its boundary. The survivors agree on
-        who died (hpcadapt.recovery), form a world without it, and take the state of the
+        who died (hpcadapt.elastic.recovery), form a world without it, and take the state of the
         survivor furthest on (one that finished the step in flight before the others
         noticed is one step ahead; the others have changed nothing yet); the step from that
         state's cursor is trained at the smaller size, so no sample is skipped or trained
@@ -1556,8 +1557,8 @@ class Job:
         ``step_given_up``: the death cut a step (round) short, so what the loop body does
         after that ``job.step`` is undone at the next batch; a death at a boundary, in a
         join or after the step committed leaves the body's work of the committed step."""
-        from . import recovery
-        from .elastic import ResizeOutcome
+        from hpcadapt.elastic import recovery
+        from hpcadapt.elastic.membership import ResizeOutcome
 
         exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         if self.options.on_failure != "recover" or exc.cause not in ("dead", "notice"):
@@ -1662,7 +1663,7 @@ class Job:
         without --checkpoint is not replaced); and anywhere under ULFM, whose launch
         survives any rank. The same on every survivor: one agent, one environment, one
         allocator kind, one MPI."""
-        from .allocator import LocalAllocator
+        from hpcadapt.elastic.allocator import LocalAllocator
 
         if world_mod.ULFM:
             return True  # the launch survives any rank's death; mpirun waits for the rest
@@ -1713,9 +1714,9 @@ class Job:
 
     def _join(self) -> None:
         """A worker started for a grow: connect, merge, receive the state."""
-        from .elastic import JoinTicket, ResizeOutcome, join_running_job
+        from hpcadapt.elastic.membership import JoinTicket, ResizeOutcome, join_running_job
 
-        from .elastic import JoinAborted
+        from hpcadapt.elastic.membership import JoinAborted
 
         if self._spawned_to_join:
             self._join_spawned()
@@ -1747,7 +1748,7 @@ class Job:
     def _join_spawned(self) -> None:
         """A worker the job spawned (Open MPI): ready, merge, receive the state from rank 0.
         The wait for the job's word lasts as long as the job waits for its joiners."""
-        from .elastic import JoinAborted, ResizeOutcome, join_spawning_job
+        from hpcadapt.elastic.membership import JoinAborted, ResizeOutcome, join_spawning_job
 
         wait_s = self.options.join_timeout + self.options.peer_timeout
         if self._spare_of:
@@ -1976,7 +1977,7 @@ class Job:
 
     def _node_count(self) -> int:
         """Nodes the world spans: emulated ones (--ranks-per-node) or real ones."""
-        from .topology import emulated_layout, layout_from_keys
+        from hpcadapt.comm.topology import emulated_layout, layout_from_keys
 
         k = self.options.ranks_per_node
         layout = emulated_layout(self.world.size, k) if k is not None else \
@@ -2032,7 +2033,7 @@ class Job:
         the user's own metrics (``ema_accuracy=0.91``): numbers, kept in the epoch line
         and, the last of each, in the summary. Raises ConfigurationError for a value that
         is not a number or a name that is a built-in field of the epoch line."""
-        from .metrics import user_metrics
+        from hpcadapt.base.metrics import user_metrics
 
         st = self._require_setup()
         mine = user_metrics(extra)
@@ -2059,7 +2060,7 @@ class Job:
     # -- preemption and checkpoints ------------------------------------------------------------
     def _resume(self, path: str) -> bool:
         """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
-        from .parallel import broadcast_object_state
+        from hpcadapt.parallel.optimizer import broadcast_object_state
 
         error, found = "", False
         if self.world.rank == 0 and os.path.exists(path):
@@ -2301,7 +2302,7 @@ _NONFINITE_UPDATES, _STOP_FILE, _STOP_SIGNAL = -3, -2, -1
 
 def _checkpoint_step(path: str) -> Optional[int]:
     """The step a readable checkpoint at ``path`` holds, or None."""
-    from .state import read_checkpoint
+    from hpcadapt.state.training import read_checkpoint
 
     if not os.path.exists(path):
         return None
@@ -2373,7 +2374,7 @@ def _build_allocator(options: JobOptions, rank: int):
 
     Slurm needs its commands and a job to live in; without them it says why in one line
     (rank 0) and the job uses the local allocator."""
-    from .allocator import LocalAllocator
+    from hpcadapt.elastic.allocator import LocalAllocator
 
     if flavour().open_mpi:
         # A grow spawns its joiners from the job (mpirun places them on the nodes it was

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 __all__ = ["MODELS", "build_model", "count_parameters"]
 

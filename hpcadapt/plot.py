@@ -286,7 +286,7 @@ def metric_panel(runs: Dict[str, List[Dict]], name: str) -> Panel:
     for event in ("epoch", "step"):
         if any(_series(rows, event, name, "step")[0] for rows in runs.values()):
             return (name, f"{name} (per {event})", event, False)
-    from .metrics import RESERVED_EPOCH_KEYS
+    from hpcadapt.base.metrics import RESERVED_EPOCH_KEYS
 
     found = sorted({k for rows in runs.values() for r in rows if r.get("event") == "epoch"
                     for k in r if k not in RESERVED_EPOCH_KEYS and k != "wall_s"})

@@ -13,7 +13,7 @@ if __name__ == "__main__" or _os.path.basename(_sys.argv[0]) == "hpcadapt-train"
     # torch: a stop signal from the scheduler waits until it can be handled. Blocked only in
     # the threads that exist, so this must come before any other; the console script runs
     # it when its wrapper imports this module.
-    from hpcadapt.preemption import block_stop_signals
+    from hpcadapt.base.preemption import block_stop_signals
 
     block_stop_signals()
 
@@ -23,8 +23,8 @@ from typing import List, Optional
 
 from hpcadapt.policies import argparse_type, params
 
-from .args import add_arguments, positive_int
-from .preemption import block_stop_signals
+from hpcadapt.args import add_arguments, positive_int
+from hpcadapt.base.preemption import block_stop_signals
 
 __all__ = ["build_parser", "main"]
 
@@ -123,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     block_stop_signals()
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .trainer import run_builtin
+    from hpcadapt.trainer import run_builtin
 
     # Errors end every rank through the job's exception hook (see hpcadapt.job).
     run_builtin(args)

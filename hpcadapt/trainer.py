@@ -11,10 +11,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from .datasets import load_dataset
-from .job import Job
-from .loader import ElasticDataLoader
-from .models import build_model
+from hpcadapt.datasets import load_dataset
+from hpcadapt.job import Job
+from hpcadapt.data.loader import ElasticDataLoader
+from hpcadapt.models import build_model
 
 __all__ = ["run_builtin", "evaluate_accuracy"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Type
 
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .gns_batch import GNSBatchSize

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple
 
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 __all__ = ["MetricsSnapshot", "Decision", "Param", "Policy"]
 
@@ -79,8 +79,8 @@ class Decision:
     momentum: Optional[float] = None
     world_size: Optional[int] = None
     remove_rank: Optional[int] = None
-    strategy: Optional[Dict[str, Any]] = None  # hpcadapt.strategy.Strategy.to_dict()
-    topology: Optional[str] = None  # the gradients' allreduce topology (hpcadapt.topology)
+    strategy: Optional[Dict[str, Any]] = None  # hpcadapt.base.strategy.Strategy.to_dict()
+    topology: Optional[str] = None  # the gradients' allreduce topology (hpcadapt.comm.topology)
     metrics: Dict[str, float] = field(default_factory=dict)
     policy: str = ""
 
@@ -103,11 +103,11 @@ class Decision:
                                             or self.world_size < 1):
             raise ConfigurationError(f"world_size must be a positive integer, got {self.world_size}")
         if self.strategy is not None:
-            from hpcadapt.strategy import Strategy
+            from hpcadapt.base.strategy import Strategy
 
             Strategy.from_dict(self.strategy)
         if self.topology is not None:
-            from hpcadapt.topology import parse_topology
+            from hpcadapt.comm.topology import parse_topology
 
             parse_topology(self.topology)
         if self.remove_rank is not None and (self.world_size is None or self.remove_rank < 1):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import float_above, non_negative_int, positive_int

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 from . import goodput_model as gm
 from .base import Decision, MetricsSnapshot, Param, Policy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import non_negative_int, positive_int, step_map

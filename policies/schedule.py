@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import choice, positive_float, positive_int, step_map

@@ -18,7 +18,7 @@ import logging
 import statistics
 from typing import Any, Dict, List, Optional
 
-from hpcadapt.strategy import STRATEGIES, Strategy
+from hpcadapt.base.strategy import STRATEGIES, Strategy
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import float_above, non_negative_int, positive_int

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
-from hpcadapt.errors import ConfigurationError
-from hpcadapt.strategy import STRATEGIES, Strategy
+from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.strategy import STRATEGIES, Strategy
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import choice, non_negative_int, positive_float, positive_int, step_map

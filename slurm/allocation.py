@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
 
-from hpcadapt.errors import AllocationError
+from hpcadapt.base.errors import AllocationError
 
 from .commands import (SQUEUE_FORMAT, SlurmCommandError, check_job_id, check_partition,
                        parse_cpus_per_node, parse_squeue, run_slurm, show_hostnames)

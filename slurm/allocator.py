@@ -23,8 +23,8 @@ import time
 from importlib import resources
 from typing import Dict, List, Optional, Sequence
 
-from hpcadapt.allocator import launcher_free_environ
-from hpcadapt.errors import AllocationError
+from hpcadapt.elastic.allocator import launcher_free_environ
+from hpcadapt.base.errors import AllocationError
 
 from .allocation import Allocation, time_left
 from .commands import (SINFO_FORMAT, SQUEUE_FORMAT, JobState,

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from hpcadapt.errors import AllocationError
+from hpcadapt.base.errors import AllocationError
 
 __all__ = ["SlurmCommandError", "slurm_available", "run_slurm", "check_job_id", "check_node_name",
            "check_partition", "parse_sbatch_job_id", "parse_hostnames", "parse_key_values",

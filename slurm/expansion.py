@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from hpcadapt.errors import AllocationError
+from hpcadapt.base.errors import AllocationError
 
 from .commands import (SlurmCommandError, check_node_name, parse_salloc_job_id, run_slurm,
                        show_hostnames)

@@ -12,11 +12,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpcadapt import config
-from hpcadapt.allocator import LocalAllocator
-from hpcadapt.elastic import (ABANDON, JOIN, ElasticController, JoinTicket, join_running_job,
+from hpcadapt.base import config
+from hpcadapt.elastic.allocator import LocalAllocator
+from hpcadapt.elastic.membership import (ABANDON, JOIN, ElasticController, JoinTicket, join_running_job,
                               split_leavers)
-from hpcadapt.runtime import World
+from hpcadapt.comm.world import World
 
 
 def children_of(pid):

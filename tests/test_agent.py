@@ -12,7 +12,7 @@ import time
 
 from conftest import ROOT
 
-from hpcadapt.metrics import MetricsSink
+from hpcadapt.base.metrics import MetricsSink
 
 
 def _agent(*command, **kw):

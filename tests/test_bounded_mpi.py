@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hpcadapt
-from hpcadapt.bounded import Aggregator, AsyncWorker, FlatModel
+from hpcadapt.parallel.bounded import Aggregator, AsyncWorker, FlatModel
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

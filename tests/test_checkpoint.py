@@ -10,9 +10,9 @@ import pickle
 import pytest
 import torch
 
-from hpcadapt.monitor import GradientNoiseScale
-from hpcadapt.sampler import ElasticSampler
-from hpcadapt.state import HyperParams, TrainingState, UserState, read_checkpoint
+from hpcadapt.loop.monitor import GradientNoiseScale
+from hpcadapt.data.sampler import ElasticSampler
+from hpcadapt.state.training import HyperParams, TrainingState, UserState, read_checkpoint
 
 
 def make_state(lr: float = 0.1, batch: int = 16, width: int = 4) -> TrainingState:

@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 import hpcadapt
 from hpcadapt import CommunicationError, ReduceOp
-from hpcadapt.collectives import check_same_layout
+from hpcadapt.comm.collectives import check_same_layout
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

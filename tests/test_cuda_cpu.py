@@ -135,7 +135,7 @@ def test_a_stream_handle_orders_the_consumer_after_the_collective_without_a_host
 
 # -- the data plane each device uses ---------------------------------------------------------
 def test_the_plane_follows_the_parameters_device():
-    from hpcadapt.dataplane import resolve_plane
+    from hpcadapt.parallel.dataplane import resolve_plane
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda:0")
     assert resolve_plane(cpu) == resolve_plane(cpu, "mpi") == "mpi"
@@ -153,7 +153,7 @@ def test_the_plane_follows_the_parameters_device():
     ("meta", "auto", ["meta", "cpu or cuda"]),
 ])
 def test_a_plane_that_cannot_carry_the_tensors_is_refused_in_one_line(device, plane, words):
-    from hpcadapt.dataplane import resolve_plane
+    from hpcadapt.parallel.dataplane import resolve_plane
 
     with pytest.raises(ConfigurationError) as exc:
         resolve_plane(torch.device(device), plane)
@@ -175,7 +175,7 @@ def test_parameters_on_two_devices_are_refused_naming_the_tensor_and_the_devices
 def test_the_communicator_is_rebuilt_on_a_new_cluster_version_and_the_old_one_aborted():
     """What a resize or a recovery does to the NCCL plane, with stand-ins for the
     communicators (building a real one needs a GPU)."""
-    from hpcadapt.dataplane import DataPlane
+    from hpcadapt.parallel.dataplane import DataPlane
 
     class World:
         cluster_version = 0

@@ -8,9 +8,9 @@ import pytest
 from mpi4py import MPI
 
 from conftest import ROOT, complete_rows, reap_on_teardown, run_mpi
-from hpcadapt.allocator import LocalAllocator
-from hpcadapt.elastic import ElasticController
-from hpcadapt.runtime import World
+from hpcadapt.elastic.allocator import LocalAllocator
+from hpcadapt.elastic.membership import ElasticController
+from hpcadapt.comm.world import World
 
 pytestmark = pytest.mark.slow
 

@@ -324,7 +324,7 @@ def test_twenty_joined_workers_killed_and_replaced_in_one_job_never_hang(tmp_pat
 def test_checkpoint_every_leaves_a_state_to_resume_after_a_crash_that_saves_nothing(tmp_path):
     """--checkpoint-every 5, then every process SIGKILLed at once (nothing saved on the way
     out): the checkpoint holds a multiple of 5 steps and a new launch resumes there."""
-    from hpcadapt.state import read_checkpoint
+    from hpcadapt.state.training import read_checkpoint
 
     run = Run(tmp_path, 2, ["--checkpoint-every", "5"])
     run.wait_for("step 12", lambda: [s for s in run.steps() if s["step"] >= 12])

@@ -1,6 +1,6 @@
 import torch
 
-from hpcadapt.fusion import Bucket, plan_buckets
+from hpcadapt.comm.fusion import Bucket, plan_buckets
 
 
 def test_plan_respects_size_and_dtype():

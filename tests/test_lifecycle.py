@@ -1,4 +1,4 @@
-"""hpcadapt.lifecycle: how a process of the job ends (one process here; the multi-rank
+"""hpcadapt.base.lifecycle: how a process of the job ends (one process here; the multi-rank
 cases run real ranks in test_user_api.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from hpcadapt import config, lifecycle
+from hpcadapt.base import config, lifecycle
 
 LAUNCHER_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID",
                       "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
@@ -35,7 +35,7 @@ def test_the_launch_rank_is_read_from_the_launcher_without_mpi(monkeypatch, vari
 
 
 def test_an_exception_before_mpi_in_a_single_process_names_rank_0_and_exit_1():
-    code = ("from hpcadapt.lifecycle import install_abort_on_exception\n"
+    code = ("from hpcadapt.base.lifecycle import install_abort_on_exception\n"
             "install_abort_on_exception()\n"
             "raise ValueError('before anything')\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_bare_env(),
@@ -49,7 +49,7 @@ def test_an_exception_before_mpi_in_a_single_process_names_rank_0_and_exit_1():
 
 def test_the_registered_failure_handler_runs_first_with_the_exception():
     code = ("import sys\n"
-            "from hpcadapt import lifecycle\n"
+            "from hpcadapt.base import lifecycle\n"
             "lifecycle.install_abort_on_exception()\n"
             "lifecycle.set_failure_handler(lambda exc: print('handler saw', repr(exc)))\n"
             "raise KeyError('k')\n")
@@ -66,7 +66,7 @@ def test_a_kernel_deadline_ends_a_stuck_process_and_is_gone_after_its_block():
     import sys
 
     code = ("import signal, time\n"
-            "from hpcadapt.runtime import KernelDeadline\n"
+            "from hpcadapt.comm.world import KernelDeadline\n"
             "signal.signal(signal.SIGALRM, lambda *a: None)\n"
             "with KernelDeadline(0.5):\n"
             "    pass\n"

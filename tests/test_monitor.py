@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpcadapt import ConfigurationError
-from hpcadapt.monitor import (GradientNoiseScale, MonitorConfig, NoiseEstimate,
+from hpcadapt.loop.monitor import (GradientNoiseScale, MonitorConfig, NoiseEstimate,
                               estimate_from_consecutive, estimate_from_replicas)
 
 D, SIGMA = 20, 2.0

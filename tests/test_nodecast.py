@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from hpcadapt import nodecast
+from hpcadapt.comm import nodecast
 
 
 def test_a_receiver_that_cannot_read_declines():
@@ -34,8 +34,8 @@ def test_a_receiver_that_cannot_read_declines():
 def test_the_transport_setting_is_checked(monkeypatch):
     import pytest
 
-    from hpcadapt import config
-    from hpcadapt.errors import ConfigurationError
+    from hpcadapt.base import config
+    from hpcadapt.base.errors import ConfigurationError
 
     monkeypatch.setenv("HPCADAPT_STATE_TRANSPORT", "MPI")
     assert config.state_transport() == "mpi" and not nodecast.available()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import hpcadapt
-from hpcadapt import nodecast
-from hpcadapt.parallel import _pack_broadcast
+from hpcadapt.comm import nodecast
+from hpcadapt.parallel.optimizer import _pack_broadcast
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

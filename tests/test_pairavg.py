@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from hpcadapt.pairavg import choose_peer
+from hpcadapt.parallel.pairavg import choose_peer
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 7])

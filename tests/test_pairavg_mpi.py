@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import hpcadapt
-from hpcadapt.pairavg import PairExchange, choose_peer
-from hpcadapt.parallel import DistributedOptimizer
-from hpcadapt.strategy import Strategy
+from hpcadapt.parallel.pairavg import PairExchange, choose_peer
+from hpcadapt.parallel.optimizer import DistributedOptimizer
+from hpcadapt.base.strategy import Strategy
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -146,7 +146,7 @@ def _train_batch_norm_cnn(w, strategy: str, wrap_buffers: bool = False, plane: s
     """Three steps of the BatchNorm CNN, each rank on batches of its own (so its running
     statistics are its own unless they are kept consistent): the model, and its buffers
     after each step."""
-    from hpcadapt.strategy import Strategy
+    from hpcadapt.base.strategy import Strategy
 
     model = build_model("cnn", (1, 8, 8), 10, seed=0, width=4, batch_norm=True)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

@@ -3,8 +3,8 @@
 import pytest
 
 from hpcadapt import ConfigurationError
-from hpcadapt.plan import Plan
-from hpcadapt.engine import PolicyEngine
+from hpcadapt.base.plan import Plan
+from hpcadapt.loop.engine import PolicyEngine
 from hpcadapt.policies import (Decision, GNSBatchSize, LRRule, MetricsSnapshot, Policy, Ramp,
                                Schedule)
 from hpcadapt.train import build_parser

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import ROOT, mpiexec, reap_on_teardown, wait_for
-from hpcadapt.preemption import EXIT_REQUEUE, StopSignals, parse_signal
+from hpcadapt.base.preemption import EXIT_REQUEUE, StopSignals, parse_signal
 
 
 def test_parse_signal_and_handler_keeps_the_first():

@@ -1,4 +1,4 @@
-"""The survivors' agreement (hpcadapt.recovery.agree) on real MPI ranks: a rank that stays
+"""The survivors' agreement (hpcadapt.elastic.recovery.agree) on real MPI ranks: a rank that stays
 silent through the first round's deadline (stuck in a call with a dead peer) is counted
 dead by every other rank, which go on without it, instead of failing the whole job."""
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import hpcadapt
-from hpcadapt import recovery
-from hpcadapt.runtime import NOTICE_TAG
+from hpcadapt.elastic import recovery
+from hpcadapt.comm.world import NOTICE_TAG
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import complete_rows
-from hpcadapt.errors import AllocationError
+from hpcadapt.base.errors import AllocationError
 from hpcadapt.slurm.commands import (check_hostlist, check_job_id, check_node_name,
                                      check_partition, parse_cpus_per_node, parse_duration,
                                      parse_hostnames, parse_key_values, parse_sbatch_job_id,

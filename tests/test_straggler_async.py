@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.policies import MetricsSnapshot, POLICIES
 from hpcadapt.policies.straggler_async import StragglerAsync
-from hpcadapt.strategy import Strategy
+from hpcadapt.base.strategy import Strategy
 
 
 def snap(times, samples=None, strategy="ssgd", step=10):

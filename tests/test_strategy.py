@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from hpcadapt.errors import ConfigurationError
-from hpcadapt.plan import Plan
+from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.plan import Plan
 from hpcadapt.policies import SyncSwitch
 from hpcadapt.policies.base import MetricsSnapshot
-from hpcadapt.strategy import STRATEGIES, Strategy
+from hpcadapt.base.strategy import STRATEGIES, Strategy
 
 
 def test_which_steps_average_what():

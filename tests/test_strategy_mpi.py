@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hpcadapt
-from hpcadapt.parallel import DistributedOptimizer
-from hpcadapt.strategy import Strategy
+from hpcadapt.parallel.optimizer import DistributedOptimizer
+from hpcadapt.base.strategy import Strategy
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -7,8 +7,8 @@ import torch
 from mpi4py import MPI
 
 from hpcadapt import ReduceOp
-from hpcadapt.errors import ConfigurationError
-from hpcadapt.topology import (NodeLayout, Topology, TopologySwitch, _chunks, build_topology,
+from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.comm.topology import (NodeLayout, Topology, TopologySwitch, _chunks, build_topology,
                                emulated_layout, layout_from_keys, parse_ranks_per_node,
                                parse_topology)
 

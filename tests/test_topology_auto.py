@@ -4,8 +4,8 @@ minority or a steady exchange changing nothing."""
 
 import pytest
 
-from hpcadapt.plan import Plan
-from hpcadapt.errors import ConfigurationError
+from hpcadapt.base.plan import Plan
+from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.policies import TopologyAuto
 from hpcadapt.policies.base import Decision, MetricsSnapshot
 from hpcadapt.policies.topology_auto import layout_choice

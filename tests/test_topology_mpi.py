@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 import hpcadapt
 from hpcadapt import ReduceOp
-from hpcadapt.errors import CommunicationError, ConfigurationError
-from hpcadapt.topology import Topology, TopologySwitch, build_topology
+from hpcadapt.base.errors import CommunicationError, ConfigurationError
+from hpcadapt.comm.topology import Topology, TopologySwitch, build_topology
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -150,7 +150,7 @@ def test_ranks_that_poll_differently_agree(w, built, topology):
 
 
 def test_hierarchical_on_one_node_falls_back_to_flat_with_a_reason(w, caplog):
-    with caplog.at_level(logging.INFO, logger="hpcadapt.topology"):
+    with caplog.at_level(logging.INFO, logger="hpcadapt.comm.topology"):
         topo = build_topology("hierarchical", w, ranks_per_node=w.size)
     try:
         assert topo.topology is Topology.FLAT and topo.requested is Topology.HIERARCHICAL

@@ -322,7 +322,7 @@ POLICY = ["--policy", "gns-batch", "--gns-batch-warmup", "5", "--gns-batch-inter
     ("plan:1:30", POLICY, [1]),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_a_death_at_each_phase_of_the_step_is_survived(tmp_path, fault, flags, dead):
-    """HPCADAPT_FAULT places the death (hpcadapt.faults): in the gradient exchange, or before
+    """HPCADAPT_FAULT places the death (hpcadapt.base.faults): in the gradient exchange, or before
     a boundary's plan broadcast. The survivors finish every epoch with exit 0, one
     recovered failure, replicas identical."""
     run = _launch_with_fault(tmp_path, fault, _short(EPOCHS, *flags))

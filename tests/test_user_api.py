@@ -188,7 +188,7 @@ def test_an_exception_on_rank_1_ends_a_job_of_the_low_level_api():
 def test_an_exception_before_the_world_names_the_mpi_rank(tmp_path):
     """Before hpcadapt's world exists, the hook names MPI's own rank and size, not "?"."""
     script = tmp_path / "early.py"
-    script.write_text("from hpcadapt.lifecycle import install_abort_on_exception\n"
+    script.write_text("from hpcadapt.base.lifecycle import install_abort_on_exception\n"
                       "install_abort_on_exception()\n"
                       "from mpi4py import MPI\n"
                       "if MPI.COMM_WORLD.Get_rank() == 1:\n"
@@ -327,7 +327,7 @@ def test_a_diverging_run_keeps_the_last_periodic_checkpoint(tmp_path):
                        "--nan-at", "3", "--nan-at", "4"] + flags, check=False, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert f"{ckpt} keeps the checkpoint of step 2" in proc.stderr
-    from hpcadapt.state import read_checkpoint
+    from hpcadapt.state.training import read_checkpoint
 
     assert read_checkpoint(str(ckpt))["meta"]["step"] == 2
 

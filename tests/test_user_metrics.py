@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import ROOT, run_mpi
-from hpcadapt.errors import ConfigurationError
-from hpcadapt.metrics import RESERVED_EPOCH_KEYS, user_metrics
+from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.metrics import RESERVED_EPOCH_KEYS, user_metrics
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "user_metrics.py")
 

@@ -1,0 +1,128 @@
+"""How a process of the job ends, in one place: an uncaught exception on any rank ends the
+whole job at once (instead of leaving the other ranks waiting in a collective forever),
+whether the process uses ``Job`` or only ``hpcadapt.init()`` and the collectives.
+
+This module knows no ``Job``: a job registers its failure handler (``set_failure_handler``)
+and the hook calls it first. It does not load MPI either: a process that never started MPI
+is named by its launcher's rank variables and simply exits."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from typing import Callable, Optional, Tuple
+
+from hpcadapt.base import config
+
+__all__ = ["install_abort_on_exception", "set_failure_handler", "is_first_rank"]
+
+_failure_handler: Optional[Callable[[BaseException], None]] = None
+_ABORT_GRACE_S = 10.0  # how long MPI_Abort may take before the process ends itself
+
+
+def is_first_rank() -> bool:
+    """Whether this process speaks for its launch (rank 0, or no launcher)."""
+    return config.launch_rank() in (None, 0)
+
+
+def set_failure_handler(handler: Optional[Callable[[BaseException], None]]) -> None:
+    """``handler(exception)`` runs first when an exception is uncaught (a job saves its state
+    on a peer's failure there); it may end the process itself. One at a time: the latest."""
+    global _failure_handler
+    _failure_handler = handler
+
+
+def _where() -> Tuple[int, int, object]:
+    """(rank, size, communicator to abort or None): hpcadapt's world when it is up, else
+    MPI's world when MPI is, else what the launcher says."""
+    runtime = sys.modules.get("hpcadapt.comm.world")
+    if runtime is not None and runtime.is_initialized():
+        w = runtime.world()
+        return w.rank, w.size, w._comm
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size(), mpi.COMM_WORLD
+    # No launcher variable: a single process, rank 0 of 1.
+    return (config.launch_rank() or 0), (config.launch_size() or 1), None
+
+
+def _end_children() -> None:
+    """Kill this process's multiprocessing children (DataLoader workers): they would keep
+    the launcher's output pipes open until their own watchdog noticed the parent gone
+    (torch checks every 5 s), and the launcher waits for those pipes to close."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        try:
+            child.kill()
+        except (OSError, ValueError):  # pragma: no cover - gone already
+            pass
+
+
+def _report(kind, value, tb, rank, size, ours: bool, together: bool) -> None:
+    if ours:
+        if not together or rank == 0:
+            sys.stderr.write(f"[rank {rank}] hpcadapt: {value}\n")
+    else:
+        text = "".join(traceback.format_exception(kind, value, tb))
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+    if not together:
+        ending = f"aborting all {size} ranks" if size > 1 else "ending the job"
+        sys.stderr.write(f"[rank {rank}] hpcadapt: {'error' if ours else 'uncaught exception'}"
+                         f" on rank {rank}; {ending}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+
+
+def _hook(kind, value, tb) -> None:
+    """hpcadapt's own errors as one line (exit 2), anything else with that rank's traceback
+    (exit 1). An error every rank raised together (rank 0's verdict, shared) ends the job
+    cleanly, printed once; any other aborts all ranks."""
+    if issubclass(kind, (KeyboardInterrupt, SystemExit)):
+        return sys.__excepthook__(kind, value, tb)
+    if _failure_handler is not None:
+        _failure_handler(value)  # may save a checkpoint: not bounded here
+    _arm_last_resort()
+    from hpcadapt.base.errors import HpcAdaptError
+
+    rank, size, comm = _where()
+    ours = isinstance(value, HpcAdaptError)
+    together = ours and value.all_ranks
+    _report(kind, value, tb, rank, size, ours, together)
+    code = 2 if ours else 1
+    _end_children()
+    timer = threading.Timer(_ABORT_GRACE_S, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
+    try:
+        if comm is not None and together:
+            from hpcadapt.comm import world as runtime
+
+            runtime.shutdown()
+            sys.modules["mpi4py.MPI"].Finalize()
+        elif comm is not None:
+            comm.Abort(code)
+    finally:
+        os._exit(code)
+
+
+def _arm_last_resort() -> None:
+    """End this process ``_ABORT_GRACE_S`` seconds from now whatever it is doing: MPI_Abort
+    (and the clean Finalize of a shared verdict) normally ends it at once; should either
+    block inside a call that holds the interpreter, the timer thread below could not run,
+    while SIGALRM's default action ends the process in the kernel. Its launcher then ends
+    the others."""
+    import signal
+
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.setitimer(signal.ITIMER_REAL, _ABORT_GRACE_S)
+    except (ValueError, OSError):  # not the main thread: the timer thread below remains
+        pass
+
+
+def install_abort_on_exception() -> None:
+    """Make an uncaught exception end every rank (idempotent)."""
+    sys.excepthook = _hook

@@ -1,0 +1,56 @@
+"""Rank-prefixed logging, set up once by the entry point (never at import time)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable, Optional
+
+from hpcadapt.base import config
+from hpcadapt.base.config import launch_rank
+from hpcadapt.base.lifecycle import is_first_rank
+
+__all__ = ["setup_logging"]
+
+
+class _RankFilter(logging.Filter):
+    """Names the rank in each record. Before the world exists (``rank_of`` returns None)
+    every rank reads the same flags and says the same things: the launch's first rank
+    speaks for all, the others' records are dropped (they were printed once per rank)."""
+
+    def __init__(self, rank_of: Callable[[], Optional[int]]):
+        super().__init__()
+        self._rank_of = rank_of
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = self._rank_of()
+        if rank is None:
+            if not is_first_rank():
+                return False
+            rank = launch_rank() or 0
+        record.rank = rank
+        return True
+
+
+def _world_rank() -> Optional[int]:
+    runtime = sys.modules.get("hpcadapt.comm.world")
+    return runtime.world().rank if runtime is not None and runtime.is_initialized() else None
+
+
+def setup_logging(rank_of: Callable[[], Optional[int]] = _world_rank) -> None:
+    """Log ``[rank N] LEVEL name: message`` to stderr, hpcadapt's records and Python's
+    warnings (``warnings.warn``, which printed without a rank); ``rank_of`` returns the
+    current rank (it changes across resizes), or None before the world exists."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler._hpcadapt = True  # type: ignore[attr-defined]
+    handler.addFilter(_RankFilter(rank_of))
+    handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(name)s: %(message)s"))
+    logging.captureWarnings(True)
+    for name, level in (("hpcadapt", config.log_level()), ("py.warnings", logging.WARNING)):
+        logger = logging.getLogger(name)
+        for h in list(logger.handlers):
+            if getattr(h, "_hpcadapt", False):
+                logger.removeHandler(h)
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = False

@@ -1,0 +1,202 @@
+"""Typed metrics records and the JSON Lines sink that rank 0 writes them to."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import IO, Any, Dict, List, Mapping, Optional
+
+from hpcadapt.base.errors import ConfigurationError
+
+__all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "MetricsSink",
+           "user_metrics", "RESERVED_EPOCH_KEYS"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as the optimizer took it: ``lr`` and ``momentum``/``betas`` are the first
+    param group's values at its update (None where the optimizer has no such setting),
+    ``lr_groups`` every group's rate when they differ."""
+    step: int
+    epoch: int
+    world_size: int
+    batch_size: int
+    lr: float
+    momentum: Optional[float]
+    loss: float
+    samples_per_s: float
+    step_time_s: float
+    cluster_version: int
+    monitors: Dict[str, float] = field(default_factory=dict)
+    betas: Optional[List[float]] = None
+    lr_groups: Optional[List[float]] = None
+    event: str = "step"
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    step: int
+    epoch: int
+    world_size: int
+    batch_size: int
+    lr: float
+    loss: float
+    samples_per_s: float
+    test_accuracy: float
+    epoch_time_s: float
+    cluster_version: int
+    event: str = "epoch"
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    step: int
+    epoch: int
+    policy: str
+    changes: Dict[str, Any]
+    reason: str
+    metrics: Dict[str, float]
+    world_size: int
+    batch_size: int
+    lr: float
+    event: str = "decision"
+
+
+@dataclass(frozen=True)
+class ResizeRecord:
+    step: int
+    epoch: int
+    old_size: int
+    new_size: int
+    reason: str
+    pause_s: float
+    ok: bool
+    cluster_version: int
+    world_size: int
+    batch_size: int
+    lr: float
+    decision_to_first_step_s: float = float("nan")
+    replicas_identical: Optional[bool] = None
+    pids: Optional[List[int]] = None   # of the new world's ranks, in rank order
+    event: str = "resize"
+
+
+# Names a user metric cannot take: the epoch record's own fields and what the sink adds.
+RESERVED_EPOCH_KEYS = frozenset(f.name for f in fields(EpochRecord)) | {"time_s", "unix_time"}
+
+
+def user_metrics(values: Mapping[str, Any]) -> Dict[str, float]:
+    """The user's epoch metrics as floats, for the epoch record (kept flat beside the
+    built-in fields, so ``jq .ema_accuracy`` reads them). A number (int, float, numpy
+    scalar, 0-d tensor or array) is kept; NaN and infinity too (the file writes them as
+    null, like every non-finite number). Raises ConfigurationError for a value that is not a
+    number (a string, a list, None, a bool, a tensor of more than one value) and for a name
+    that is a built-in field of the epoch record (it would overwrite it)."""
+    out: Dict[str, float] = {}
+    for name, value in values.items():
+        if name in RESERVED_EPOCH_KEYS:
+            raise ConfigurationError(
+                f"log_epoch: the metric name {name!r} is a built-in field of the epoch "
+                f"record; rename it (reserved: {', '.join(sorted(RESERVED_EPOCH_KEYS))})")
+        out[name] = _as_number(name, value)
+    return out
+
+
+def _as_number(name: str, value: Any) -> float:
+    """``value`` as a float, or ConfigurationError naming the metric and its type."""
+    scalar = value
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        scalar = value.item()   # a 0-d tensor or numpy array
+    if isinstance(scalar, numbers.Real) and not isinstance(scalar, bool):
+        return float(scalar)
+    kind = type(value).__module__ + "." + type(value).__qualname__ \
+        if type(value).__module__ != "builtins" else type(value).__name__
+    raise ConfigurationError(f"log_epoch: the metric {name!r} is a {kind} ({_short(value)}), "
+                             f"not a number; pass an int, a float or a 0-d tensor")
+
+
+def _short(value: Any) -> str:
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+log = logging.getLogger(__name__)
+
+
+def _time_origin(data: bytes) -> Optional[float]:
+    """The unix time at which the sink that wrote the last timed record of ``data`` started
+    (``unix_time - time_s``), or None when no record has both."""
+    for line in reversed(data.splitlines()):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("unix_time"), (int, float)) \
+                and isinstance(row.get("time_s"), (int, float)):
+            return row["unix_time"] - row["time_s"]
+    return None
+
+
+class MetricsSink:
+    """Appends one JSON object per record to a file; a sink with no path drops records."""
+
+    def __init__(self, path: Optional[str], *, enabled: bool = True):
+        self._file: Optional[IO[str]] = None
+        self._t0 = time.perf_counter()
+        if path and enabled:
+            self._file = open(path, "a", encoding="utf-8", buffering=1)
+
+    def write(self, record: Any) -> None:
+        if self._file is None:
+            return
+        obj = asdict(record) if hasattr(record, "__dataclass_fields__") else dict(record)
+        obj["time_s"] = round(time.perf_counter() - self._t0, 6)
+        obj["unix_time"] = round(time.time(), 3)  # to line up with scheduler events
+        self._file.write(json.dumps(_clean(obj), sort_keys=True) + "\n")
+
+    @classmethod
+    def take_over(cls, path: Optional[str]) -> "MetricsSink":
+        """The sink of a new coordinator, appending to the file the dead one wrote: a last
+        line it left half written is cut off, and ``time_s`` goes on from the file's last
+        record (so the run's time axis stays one; the last, not the first: a file that a
+        resumed job appends to starts its time over where the resumed job started)."""
+        sink = cls(None)
+        if not path:
+            return sink
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "rb+") as f:
+                data = f.read()
+                keep = data.rfind(b"\n") + 1
+                if keep < len(data):
+                    f.truncate(keep)
+                sink._file = open(os.dup(f.fileno()), "a", encoding="utf-8", buffering=1)
+        except OSError as exc:
+            log.error("the metrics file %s cannot be taken over (%s): no more records", path,
+                      exc)
+            return sink
+        started = _time_origin(data[:keep])
+        if started is not None:
+            sink._t0 = time.perf_counter() - (time.time() - started)
+        return sink
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,178 @@
+"""A data loader for elastic training: the user's own ``Dataset`` and what they rely on in
+``torch.utils.data.DataLoader`` (worker processes, ``collate_fn``, ``pin_memory``,
+prefetching), fed from the job's single global data cursor, so the global batch size and the
+world size may change in the middle of an epoch with every sample used exactly once.
+
+How: each step's global batch is the next ``batch_size`` samples after the cursor, cut into
+one contiguous part per rank (``ElasticSampler``); a rank's part is cut again into
+micro-batches of at most ``max_local_batch`` samples when it is larger. ``PlannedBatches``
+walks that plan from a cursor for a fixed configuration; a ``DataLoader`` with it as
+``batch_sampler`` prefetches along the walk. When the configuration changes (batch size,
+world size, rank, epoch), the job starts a new walk at the cursor and the prefetched
+batches of the old one are dropped (persistent workers stay up). A rank whose share of a
+step is empty gets no batch: its collate function never sees an empty list."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.data.sampler import ElasticSampler, StepSlice
+
+__all__ = ["ElasticDataLoader", "PlannedBatches", "split_micro", "WalkKey"]
+
+
+def split_micro(indices: np.ndarray, cap: Optional[int]) -> List[np.ndarray]:
+    """``indices`` cut into near-equal contiguous micro-batches of at most ``cap`` samples."""
+    n = len(indices)
+    if n == 0:
+        return []
+    if cap is None or n <= cap:
+        return [indices]
+    parts = -(-n // cap)
+    return [p for p in np.array_split(indices, parts)]
+
+
+@dataclass(frozen=True)
+class WalkKey:
+    """What a walk through the epoch depends on; a new key means a new walk."""
+
+    epoch: int
+    batch_size: int
+    rank: int
+    size: int
+    cap: Optional[int]
+
+
+class PlannedBatches:
+    """The micro-batches (index lists) this rank trains on, step by step from ``start`` to
+    the end of the epoch, for one ``WalkKey``; empty shares are skipped."""
+
+    def __init__(self, sampler: ElasticSampler):
+        self.sampler = sampler
+        self.key: Optional[WalkKey] = None
+        self.start = 0
+
+    def reset(self, key: WalkKey, start: int) -> None:
+        self.key, self.start = key, start
+
+    def steps(self) -> Iterator[Tuple[StepSlice, List[np.ndarray]]]:
+        k = self.key
+        cursor = self.start
+        n = self.sampler.num_samples
+        while cursor < n:
+            part = self.sampler.slice_at(cursor, k.batch_size, k.rank, k.size)
+            yield part, split_micro(part.indices, k.cap)
+            cursor += part.global_count
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for _, micro in self.steps():
+            for m in micro:
+                yield m.tolist()
+
+    def __len__(self) -> int:
+        return sum(len(m) for _, m in self.steps())
+
+
+class ElasticDataLoader:
+    """Like ``DataLoader(dataset, batch_size, shuffle=True, ...)``, but ``batch_size`` is the
+    global batch (over all ranks) and the job decides it from then on. Pass the loader to
+    ``job.setup(...)``, then iterate it inside ``job.epochs()``: it yields this rank's
+    (micro-)batches, and the job's step boundaries run between them.
+
+    ``num_workers``, ``collate_fn``, ``pin_memory``, ``prefetch_factor``,
+    ``worker_init_fn`` and ``multiprocessing_context`` mean what they mean for
+    ``DataLoader``; workers are persistent across epochs and resizes. The order of samples
+    is a seeded permutation per epoch (``seed``), identical on every rank."""
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 num_workers: int = 0, collate_fn: Optional[Callable[[List[Any]], Any]] = None,
+                 pin_memory: bool = False, prefetch_factor: Optional[int] = None,
+                 worker_init_fn: Optional[Callable[[int], None]] = None,
+                 multiprocessing_context=None, timeout: float = 0):
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ConfigurationError(f"batch_size must be a positive integer (the global batch "
+                                     f"over all ranks), got {batch_size!r}")
+        if num_workers < 0:
+            raise ConfigurationError(f"num_workers must be 0 or more, got {num_workers}")
+        try:
+            n = len(dataset)
+        except TypeError:
+            raise ConfigurationError("the dataset must have a length (a map-style Dataset); "
+                                     "iterable datasets cannot be resumed at a cursor") from None
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler = ElasticSampler(n, seed=seed, shuffle=shuffle)
+        self.plan = PlannedBatches(self.sampler)
+        self.collate_fn = collate_fn
+        self.num_workers = num_workers
+        self._fast = (isinstance(dataset, TensorDataset) and num_workers == 0
+                      and collate_fn is None)
+        self._loader: Optional[DataLoader] = None
+        if num_workers > 0:
+            self._loader = DataLoader(
+                dataset, batch_sampler=self.plan, num_workers=num_workers,
+                collate_fn=collate_fn, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+                persistent_workers=True, worker_init_fn=worker_init_fn,
+                multiprocessing_context=multiprocessing_context, timeout=timeout)
+        self._pin_memory = pin_memory
+        self._iter: Optional[Iterator[Any]] = None
+        self._job = None  # set by Job.setup
+
+    def __len__(self) -> int:
+        return self.sampler.num_samples
+
+    def __iter__(self):
+        if self._job is None:
+            raise ConfigurationError("pass the loader to job.setup(model, optimizer, loader) "
+                                     "before iterating it")
+        return self._job._batches()
+
+    def close(self) -> None:
+        """Stop the worker processes now (``job.finish`` calls it): they exit through their
+        normal path, removing their temporary folders, instead of being killed at the
+        interpreter's exit seconds later. The loader cannot be iterated afterwards."""
+        iterator = self._loader._iterator if self._loader is not None else None
+        for it in (iterator, self._iter):
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        if self._loader is not None:
+            self._loader._iterator = None
+        self._iter = None
+
+    # -- used by the job -----------------------------------------------------------------
+    def restart(self, key: WalkKey, start: int) -> None:
+        """Begin a new walk at ``start`` (dropping what was prefetched for the old one)."""
+        self.plan.reset(key, start)
+        self._iter = iter(self._loader) if self._loader is not None else None
+
+    def next_batch(self, indices: np.ndarray) -> Any:
+        """The batch for ``indices``, the next micro-batch of the current walk."""
+        if self._iter is not None:
+            return next(self._iter)
+        return self.load(indices)
+
+    def load(self, indices: np.ndarray) -> Any:
+        """The batch for ``indices`` read here and now (no prefetch: bounded-delay rounds
+        hand out batches one at a time)."""
+        if self._fast:
+            idx = torch.from_numpy(indices)
+            return tuple(t[idx] for t in self.dataset.tensors)
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(indices.tolist()) if getitems is not None else \
+            [self.dataset[int(i)] for i in indices]
+        collate = self.collate_fn
+        if collate is None:
+            from torch.utils.data import default_collate as collate
+        batch = collate(samples)
+        if self._pin_memory and torch.cuda.is_available():
+            from torch.utils.data._utils.pin_memory import pin_memory
+
+            batch = pin_memory(batch)
+        return batch

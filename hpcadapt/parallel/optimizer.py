@@ -1,0 +1,787 @@
+"""Data-parallel PyTorch: gradients averaged by bucketed asynchronous allreduce from backward hooks.
+
+Each parameter's ``.grad`` is a view into a flat bucket, so gradients accumulate where the
+collective reads them and nothing is packed or unpacked. When the last gradient of a bucket
+is ready (a post-accumulate-grad hook), the bucket is scaled by this rank's weight and its
+allreduce starts while backward goes on; ``step()`` waits for the rest and steps the wrapped
+optimizer. Right after the last bucket's launch the step's control values (this rank's
+squared gradient norm on monitored steps, the caller's metrics: loss, timings, stop votes)
+start in a small float64 allreduce of their own on the host, under whatever strategy or
+plane: the monitors and the stop votes never depend on the gradient exchange (KungFu and
+the strategies that keep gradients local need that), at the cost of one tiny collective.
+
+The model's buffers (BatchNorm's running statistics and ``num_batches_tracked``, any
+registered buffer; ``buffers=``) are rank 0's on every rank after every step, as DDP's
+``broadcast_buffers`` keeps them: one flat byte buffer, packed after backward and broadcast
+in one nonblocking collective started with the control reduction and finished with it, so
+it adds no blocking point to the step (``BufferBroadcast``). The same under model averaging
+(the control reduction is the one collective every strategy waits for each step): the
+running statistics are read only in evaluation, of rank 0's replica, whose statistics the
+broadcast never changes, and DDP broadcasts them whatever its communication hook.
+
+The buckets live on the parameters' device and travel over that device's data plane
+(``hpcadapt.parallel.dataplane``: MPI for CPU tensors, NCCL or host-staged for CUDA tensors); a
+step's gradient norms reach the host only on monitored steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from hpcadapt.comm import world as _runtime  # noqa: F401 (first: it sets MPI's environment)
+from mpi4py import MPI  # noqa: E402
+
+from hpcadapt.base import config
+from hpcadapt.comm import nodecast
+from hpcadapt.comm.collectives import Communicator, Handle, MPICommunicator, ReduceOp, check_same_layout
+from hpcadapt.parallel.dataplane import DataPlane
+from hpcadapt.base.errors import CommunicationError, ConfigurationError
+from hpcadapt.comm.fusion import Bucket, plan_buckets
+from hpcadapt.comm.world import World, wait_request, world as current_world
+from hpcadapt.base.strategy import Strategy
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+           "broadcast_object_state", "GradientStats", "BufferBroadcast"]
+
+log = logging.getLogger(__name__)
+
+
+class GradientStats:
+    """What one synchronised step tells about its gradients (identical on every rank).
+
+    ``local_sqnorm_mean``: sum_i w_i |g_i|^2 over ranks (w_i = this rank's share of the
+    global batch); ``global_sqnorm``: |g_avg|^2 of the averaged gradient; ``extras``: the
+    caller's staged values summed over ranks (the control reduction, in float64)."""
+
+    __slots__ = ("local_sqnorm_mean", "global_sqnorm", "extras")
+
+    def __init__(self, local_sqnorm_mean: float, global_sqnorm: float, extras: np.ndarray):
+        self.local_sqnorm_mean = local_sqnorm_mean
+        self.global_sqnorm = global_sqnorm
+        self.extras = extras
+
+
+class BufferBroadcast:
+    """Rank 0's buffers to every rank, as one flat byte buffer on the parameters' device in
+    one nonblocking broadcast over the data plane's communicator (any dtype: the bytes
+    travel).
+
+    ``start`` packs the buffers (after forward has updated them) and starts the broadcast;
+    ``finish`` waits for it (bounded: PeerFailure for a dead or silent peer) and, off rank
+    0, copies rank 0's values into the buffers. Between the two nothing may change them.
+    (A step given up to a dead peer: the job puts the buffers back as the step began,
+    hpcadapt.state.rollback, before it is trained again.)"""
+
+    def __init__(self, buffers: Sequence[torch.Tensor], device: torch.device):
+        self.buffers = list(buffers)
+        self._device = device
+        self._layout: List[Tuple[int, int]] = []  # (offset, nbytes) in the flat buffer
+        offset = 0
+        for t in self.buffers:
+            offset = -(-offset // t.element_size()) * t.element_size()  # aligned views
+            nbytes = t.numel() * t.element_size()
+            self._layout.append((offset, nbytes))
+            offset += nbytes
+        self.nbytes = offset
+        self._flat: Optional[torch.Tensor] = None
+        self._views: List[torch.Tensor] = []
+        self._inflight: Optional[Tuple[Handle, torch.Tensor]] = None
+
+    def _allocate(self) -> None:
+        from hpcadapt.comm.fusion import zeros
+
+        self._flat = zeros(self.nbytes, torch.uint8, self._device)
+        self._views = [self._flat[o:o + n].view(t.dtype).view(t.shape)
+                       for t, (o, n) in zip(self.buffers, self._layout)]
+
+    def start(self, comm: Communicator, root: int = 0) -> None:
+        if not self.buffers:
+            return
+        if self._flat is None:
+            self._allocate()
+        with torch.no_grad():
+            torch._foreach_copy_(self._views, [b.detach() for b in self.buffers])
+        self._inflight = (comm.broadcast_async(self._flat, root), self._flat)
+
+    def finish(self, rank: int, root: int = 0) -> None:
+        if self._inflight is None:
+            return
+        handle, _ = self._inflight
+        handle.wait()  # bounded like every wait on a peer
+        self._inflight = None
+        if rank != root:
+            with torch.no_grad():
+                torch._foreach_copy_(self.buffers, self._views)
+
+    def abandon(self) -> None:
+        """A peer died: the broadcast in flight never completes and MPI may still name its
+        buffer, so that is kept (never reused, never freed); a fresh one comes next time."""
+        from hpcadapt.comm.world import ABANDONED
+
+        if self._inflight is not None:
+            ABANDONED.append(self._inflight)
+            self._inflight = None
+            self._flat = None
+            self._views = []
+
+
+class _BucketState:
+    __slots__ = ("bucket", "params", "pending", "handle", "launched", "sqnorm")
+
+    def __init__(self, bucket: Bucket, params: List[torch.nn.Parameter]):
+        self.bucket = bucket
+        self.params = params
+        self.pending = len(params)
+        self.handle: Optional[Handle] = None
+        self.launched = False
+        self.sqnorm: Optional[torch.Tensor] = None
+
+
+class DistributedOptimizer:
+    """Wrap a model's optimizer for data-parallel training over the current world.
+
+    ``named_parameters``: the model's parameters (order decides bucketing), all on one
+    device. ``data_plane``: how the gradients travel, "auto" (MPI for CPU parameters; NCCL
+    for CUDA ones when CuPy with NCCL is installed, else host-staged), "mpi",
+    "host-staged" or "nccl" (see ``hpcadapt.parallel.dataplane``). At construction, parameters and
+    optimizer state are broadcast from rank 0 and the parameter layout is checked across
+    ranks (CommunicationError if it differs). ``buffers``: the model's buffers
+    (``model.buffers()``), made rank 0's on every rank at construction and after every
+    step (DDP's ``broadcast_buffers``); none by default."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], *,
+                 world: Optional[World] = None, bucket_bytes: Optional[int] = None,
+                 extra_slots: int = 0, track_grad_norms: bool = False,
+                 broadcast_initial_state: bool = True, data_plane: str = "auto",
+                 buffers: Iterable[torch.Tensor] = ()):
+        self.optimizer = optimizer
+        self._world = world if world is not None else current_world()
+        self._bucket_bytes = bucket_bytes if bucket_bytes is not None else config.bucket_bytes()
+        if self._bucket_bytes <= 0:
+            raise ConfigurationError(f"bucket_bytes must be positive, got {self._bucket_bytes}")
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if not named:
+            raise ConfigurationError("the model has no parameters that require gradients")
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise ConfigurationError("parameter names must be unique")
+        self._named = named
+        self._plane = DataPlane(self._world, _one_device(named), data_plane)
+        if self._plane.plane == "nccl":
+            from hpcadapt.cuda.nccl import nccl_dtype
+
+            for name, p in named:
+                try:
+                    nccl_dtype(p.dtype)
+                except CommunicationError as exc:
+                    raise ConfigurationError(f"parameter {name!r}: {exc}") from None
+        self._buffers = BufferBroadcast(list(buffers), self._plane.device)
+        self._extra_slots = int(extra_slots)
+        self.track_grad_norms = track_grad_norms
+        self._weight = None  # this rank's share of the global batch; None = 1/size
+        self._staged_extras = torch.zeros(max(self._extra_slots, 0) + 1, dtype=torch.float64)
+        self._skip_sync = False
+        self._synchronized = False  # synchronize() ran since the last backward
+        # A failure met inside a gradient hook (ULFM: starting or testing a collective on a
+        # revoked communicator), raised by ``synchronize`` where the job handles it: an
+        # exception out of a hook would surface from autograd's backward instead.
+        self._hook_failure: Optional[BaseException] = None
+        self.strategy = Strategy()
+        self._sync_grads = True       # this step averages gradients (the strategy, monitors)
+        self._model_alpha: Optional[float] = None  # this step's pull towards the average
+        # this step's models' average in flight: (buckets, their tensors, handles)
+        self._model_avg: Optional[Tuple[List[Bucket], List[List[torch.Tensor]],
+                                        List[Handle]]] = None
+        self._control: Optional[MPICommunicator] = None
+        self._control_inflight: Optional[Tuple[Handle, np.ndarray]] = None
+        self._pairs = None            # pair averaging's window (hpcadapt.parallel.pairavg)
+        self._pair_failure: Optional[Exception] = None  # raised in synchronize
+        self._version = -1
+        self._buckets: List[_BucketState] = []
+        self._param_bucket: Dict[torch.nn.Parameter, _BucketState] = {}
+        self._param_offset: Dict[torch.nn.Parameter, int] = {}
+        self._ready: set = set()
+        self._launched = 0
+        self._hooks = []
+        self.last_stats: Optional[GradientStats] = None
+        comm = self._world.comm
+        check_same_layout(comm, [(t.shape, t.dtype) for t in
+                                 [p for _, p in named] + self._buffers.buffers],
+                          what="DistributedOptimizer")
+        if broadcast_initial_state:
+            broadcast_parameters([p for _, p in named] + self._buffers.buffers, root=0,
+                                 world=self._world)
+            broadcast_optimizer_state(self.optimizer, root=0, world=self._world)
+        self._build()
+        for _, p in named:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    # -- optimizer interface ---------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients. With ``set_to_none`` (the default, as in torch) autograd
+        writes fresh gradients and the hooks copy them, scaled, into the buckets in one pass;
+        otherwise the buckets are zeroed and gradients accumulate in them directly."""
+        self._ensure_current()
+        if set_to_none:
+            for _, p in self._named:
+                p.grad = None
+        else:
+            for b in self._buckets:
+                b.bucket.flat.zero_()
+            self._reattach_views()
+
+    def step(self, closure=None):
+        """Average the gradients (unless ``synchronize()`` already did since the last
+        backward) and step the wrapped optimizer. With a gradient scaler (mixed precision):
+        ``opt.synchronize(); scaler.step(opt); scaler.update()``, so that the scaler unscales
+        and checks the averaged gradients, not local ones still in flight."""
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    # -- data parallel controls ------------------------------------------------------
+    def set_local_weight(self, weight: Optional[float]) -> None:
+        """This rank's share of the global batch (local samples / global samples) for the
+        coming step; None means an equal share. The average gradient is sum_i w_i g_i."""
+        if weight is not None and not (0.0 <= weight <= 1.0):
+            raise ConfigurationError(f"local weight must be in [0, 1], got {weight}")
+        self._weight = weight
+
+    def stage_extras(self, values: Sequence[float]) -> None:
+        """Values summed over ranks in the coming step's control reduction
+        (``last_stats.extras``)."""
+        if len(values) != self._extra_slots:
+            raise ConfigurationError(
+                f"expected {self._extra_slots} extra values, got {len(values)}")
+        self._staged_extras[1:] = torch.as_tensor(values, dtype=torch.float64)
+
+    def set_extra_slots(self, n: int) -> None:
+        """Change the number of metric slots (from the next step's control reduction)."""
+        if n != self._extra_slots:
+            self._extra_slots = int(n)
+            self._staged_extras = torch.zeros(n + 1, dtype=torch.float64)
+
+    def set_topology(self, topology: str, ranks_per_node: Optional[int] = None) -> None:
+        """The allreduce topology over MPI (``hpcadapt.comm.topology``) from the next cluster
+        version on (the caller raises the version at the same boundary on every rank)."""
+        if (topology, ranks_per_node) != (self._plane.topology, self._plane.ranks_per_node):
+            self._plane.topology = topology
+            self._plane.ranks_per_node = ranks_per_node
+            self._version = -1  # the next step takes the new communicator (collective)
+
+    @property
+    def topology(self) -> str:
+        return self._plane.topology
+
+    @property
+    def data_plane(self) -> str:
+        """The plane the gradients travel on: ``mpi``, ``host-staged`` or ``nccl``."""
+        return self._plane.plane
+
+    def set_strategy(self, strategy: Strategy) -> None:
+        """The synchronisation strategy from the next step on (``hpcadapt.base.strategy``)."""
+        self.strategy = strategy
+
+    def begin_step(self, step: int) -> None:
+        """Before forward: what this step exchanges. Under model averaging the models'
+        allreduce starts here (the parameters do not change until the update) and is
+        finished in ``synchronize``; gradients are averaged under S-SGD and on monitored
+        steps (``track_grad_norms``), else each replica keeps its own."""
+        self._ensure_current()
+        self._sync_grads = self.strategy.averages_gradients or self.track_grad_norms \
+            or self._world.size == 1
+        alpha = self.strategy.model_alpha(step) if self._world.size > 1 else None
+        self._model_alpha = alpha
+        if alpha is not None:
+            self._start_model_average()
+        if self.strategy.pairs_models and self._world.size > 1:
+            self._start_pair_fetch(step)
+        elif self._pairs is not None:
+            self._release_pairs(abandon=False)  # the strategy left pair-avg, on every rank
+
+    def _start_pair_fetch(self, step: int) -> None:
+        """Pair averaging: publish this replica's parameters (as the last update left them)
+        and start reading one random peer's; ``synchronize`` mixes them in. The window is
+        made for the world's cluster version (collective, every rank at this step); a peer
+        found dead on the way is raised from ``synchronize``, where the job recovers."""
+        from hpcadapt.parallel.pairavg import PairExchange, choose_peer
+
+        params = [p.data for _, p in self._named]
+        try:
+            pairs = self._pairs
+            if pairs is not None and pairs.cluster_version != self._world.cluster_version:
+                self._release_pairs(abandon=False)
+                pairs = None
+            if pairs is None:
+                # everyone is here before the (unbounded) collective creation
+                wait_request(self._world.comm.Ibarrier(), self._world.watch,
+                             "the pair window's creation")
+                pairs = self._pairs = PairExchange(self._world, params)
+                self._world.releases.append(self._release_pairs)
+                pairs.publish(params)
+                # every rank has published before anyone reads
+                wait_request(self._world.comm.Ibarrier(), self._world.watch,
+                             "the pair window's first publication")
+            else:
+                pairs.publish(params)
+            pairs.start_fetch(choose_peer(step, self._world.rank, self._world.size))
+        except _runtime.PeerFailure as exc:
+            self._pair_failure = exc
+
+    def _finish_pair_average(self) -> None:
+        """v <- (v + v_peer) / 2, before this rank's own update."""
+        if self._pair_failure is not None:
+            exc, self._pair_failure = self._pair_failure, None
+            raise exc
+        if self._pairs is None or not self._pairs.fetching:
+            return
+        theirs = self._pairs.finish_fetch()
+        with torch.no_grad():
+            for (_, p), flat in zip(self._named, theirs):
+                peer = flat.view(p.dtype).view(p.shape)
+                p.add_(peer.to(p.device) if p.device.type != "cpu" else peer).mul_(0.5)
+
+    def _release_pairs(self, abandon: bool) -> None:
+        """Free the pair window (collective), or keep it unfreed when a peer died."""
+        pairs, self._pairs = self._pairs, None
+        if pairs is None:
+            return
+        if self._release_pairs in self._world.releases:
+            self._world.releases.remove(self._release_pairs)
+        if abandon:
+            pairs.abandon()
+        else:
+            pairs.free()
+
+    def average_models(self) -> None:
+        """Every replica takes the plain average of all (collective; between steps)."""
+        self._ensure_current()
+        if self._world.size == 1:
+            return
+        self._model_alpha = 1.0
+        self._start_model_average()
+        self._finish_model_average()
+
+    def _start_model_average(self) -> None:
+        params = [p.data for _, p in self._named]
+        groups = [[params[i] for i in g] for g in plan_buckets(params, self._bucket_bytes)]
+        buckets = [Bucket.for_tensors(members) for members in groups]
+        for bucket, members in zip(buckets, groups):
+            bucket.pack(members)
+        # one fused allreduce per dtype group; the handles complete in order
+        handles = [self._comm.allreduce_async(b.flat, ReduceOp.SUM) for b in buckets]
+        self._model_avg = (buckets, groups, handles)
+
+    def _finish_model_average(self) -> None:
+        buckets, groups, handles = self._model_avg
+        alpha, n = self._model_alpha, float(self._world.size)
+        for handle in handles:
+            handle.wait()
+        with torch.no_grad():
+            for bucket, members in zip(buckets, groups):
+                offset = 0
+                for p in members:
+                    k = p.numel()
+                    mean = bucket.flat[offset:offset + k].view_as(p).div_(n)
+                    if alpha >= 1.0:
+                        p.copy_(mean)
+                    else:
+                        p.mul_(1.0 - alpha).add_(mean, alpha=alpha)
+                    offset += k
+        self._model_avg = None
+
+    def _start_control(self, local_sqnorm: float = 0.0) -> None:
+        """The step's control values (loss, timings, stop votes, and on monitored steps this
+        rank's squared gradient norm) in a small float64 allreduce of their own, on the host
+        over MPI, whatever carries the gradients (none: they stay local; NCCL; a topology):
+        the monitors never depend on the gradient exchange."""
+        if self._control is None:
+            self._control = MPICommunicator(self._world)  # follows the world's resizes
+        values = self._staged_extras.numpy().copy()
+        values[0] = local_sqnorm
+        self._control_inflight = (self._control.allreduce_async(values, ReduceOp.SUM), values)
+        if self._world.size > 1:
+            # Backward is done here (forward updated the buffers): rank 0's buffers travel
+            # beside the control values and are waited for with them.
+            self._buffers.start(self._comm)
+
+    def _finish_control(self) -> np.ndarray:
+        handle, values = self._control_inflight
+        handle.wait()  # bounded like every wait on a peer
+        self._control_inflight = None
+        self._buffers.finish(self._world.rank)
+        return values
+
+    def _control_reduction(self) -> GradientStats:
+        """Gradients stay local: only the control values travel."""
+        self._start_control()
+        out = self._finish_control()
+        return GradientStats(0.0, 0.0, out[1:self._extra_slots + 1].copy())
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally without communicating."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    @property
+    def world(self) -> World:
+        return self._world
+
+    # -- buckets -----------------------------------------------------------------------
+    def _ensure_current(self) -> None:
+        if self._version == self._world.cluster_version:
+            return
+        if self._buckets:
+            # A resize: the buckets stay (they do not depend on the world), the
+            # communicator is the new world's.
+            self._comm = self._plane.current()
+            self._version = self._world.cluster_version
+            self._reset_step()
+        else:
+            self._build()
+
+    def abandon_in_flight(self) -> None:
+        """A peer died in the middle of a step: the buckets' allreduces will never complete
+        and MPI may still name their buffers, so those are kept (never reused, never freed)
+        and fresh buckets are built on the next use."""
+        from hpcadapt.comm.world import ABANDONED
+
+        self._hook_failure = None
+        ABANDONED.append(self._buckets)
+        if self._model_avg is not None:
+            ABANDONED.append(self._model_avg)
+            self._model_avg = None
+        if self._control_inflight is not None:
+            ABANDONED.append(self._control_inflight)
+            self._control_inflight = None
+        self._buffers.abandon()
+        self._release_pairs(abandon=True)
+        self._pair_failure = None
+        self._buckets = []
+        self._version = -1
+        self._plane.close(abandon=True)
+
+    def _build(self) -> None:
+        """Bucket the parameters in reverse order (the order backward produces gradients)."""
+        params = [p for _, p in reversed(self._named)]
+        groups = plan_buckets(params, self._bucket_bytes)
+        self._buckets = []
+        self._param_bucket = {}
+        self._param_offset = {}
+        for group in groups:
+            members = [params[i] for i in group]
+            bucket = Bucket.for_tensors(members)
+            offset = 0
+            for p in members:
+                n = p.numel()
+                if p.grad is not None:
+                    bucket.flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                self._param_offset[p] = offset
+                offset += n
+            state = _BucketState(bucket, members)
+            self._buckets.append(state)
+            for p in members:
+                self._param_bucket[p] = state
+        self._comm = self._plane.current()
+        self._version = self._world.cluster_version
+        self._reattach_views()
+        self._reset_step()
+
+    def _reattach_views(self) -> None:
+        for state in self._buckets:
+            offset = 0
+            for p in state.params:
+                n = p.numel()
+                view = state.bucket.flat[offset:offset + n].view_as(p)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                    p.grad = view
+                offset += n
+
+    def _reset_step(self) -> None:
+        self._ready.clear()
+        self._launched = 0
+        for b in self._buckets:
+            b.pending = len(b.params)
+            b.handle = None
+            b.launched = False
+            b.sqnorm = None
+
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        self._synchronized = False
+        if self._skip_sync or not self._sync_grads:
+            return
+        if self._version != self._world.cluster_version:
+            raise CommunicationError(
+                "the world changed during backward; resizes apply between steps only")
+        if p in self._ready:
+            raise CommunicationError(
+                "backward ran twice before step(); wrap the extra backward passes in "
+                "optimizer.no_sync() to accumulate gradients")
+        self._ready.add(p)
+        state = self._param_bucket[p]
+        self._take_gradient(p, ready=True)
+        state.pending -= 1
+        if self._hook_failure is not None:
+            return  # the step is given up; synchronize raises the failure
+        try:
+            if state.pending == 0:
+                self._launch(state)
+            # Drive MPI's progress engine for collectives already in flight.
+            for b in self._buckets:
+                if b.handle is not None and not b.handle.test():
+                    break
+        except _runtime.FAILURES as exc:
+            self._hook_failure = _runtime.as_failure(exc, "a gradient allreduce's start")
+
+    def _take_gradient(self, p: torch.nn.Parameter, ready: bool) -> None:
+        """Move ``p``'s gradient into its bucket slot, scaled by this rank's share, and make
+        ``p.grad`` a view of the slot. A parameter whose hook did not fire this step (unused
+        in the forward pass) contributes zeros."""
+        state = self._param_bucket[p]
+        offset = self._param_offset[p]
+        view = state.bucket.flat[offset:offset + p.numel()].view_as(p)
+        g = p.grad
+        weight = self._share()
+        if g is None or (not ready and g.data_ptr() == view.data_ptr()):
+            view.zero_()
+        elif g.data_ptr() == view.data_ptr():
+            if weight != 1.0:
+                view.mul_(weight)
+        else:
+            torch.mul(g, weight, out=view)
+        p.grad = view
+
+    def _launch(self, state: _BucketState) -> None:
+        bucket = state.bucket
+        payload = bucket.payload
+        if self.track_grad_norms:
+            w = self._share()
+            # payload holds w * g_i: divide the scale back out of the squared norm
+            state.sqnorm = torch.dot(payload, payload) / (w * w) if w > 0 else payload.new_zeros(())
+        self._launched += 1
+        state.handle = self._comm.allreduce_async(bucket.flat, ReduceOp.SUM)
+        state.launched = True
+        if self._launched == len(self._buckets):
+            # Last bucket of this step on this rank (backward is done): the control
+            # values follow in their own reduction. The norm reaches the host only on
+            # monitored steps.
+            local = 0.0
+            if self.track_grad_norms:
+                norms = [b.sqnorm.double() for b in self._buckets if b.sqnorm is not None]
+                local = float(torch.stack(norms).sum()) * self._share()
+            self._start_control(local)
+
+    def _share(self) -> float:
+        return self._weight if self._weight is not None else 1.0 / self._world.size
+
+    def synchronize(self) -> GradientStats:
+        """Finish the step's communication: afterwards ``.grad`` holds the averaged gradient
+        (S-SGD; under model averaging this rank's own, and the parameters have been pulled
+        towards the replicas' average)."""
+        self._ensure_current()
+        if self._hook_failure is not None:
+            failure, self._hook_failure = self._hook_failure, None
+            raise failure
+        if not self._sync_grads:
+            # the fetch ends before the control reduction: a peer cannot publish twice
+            # while it is read (hpcadapt.parallel.pairavg)
+            self._finish_pair_average()
+            self.last_stats = self._control_reduction()
+            if self._model_avg is not None:
+                self._finish_model_average()
+            self._end_step()
+            return self.last_stats
+        for state in self._buckets:
+            if not state.launched:
+                for p in state.params:
+                    if p not in self._ready:
+                        self._take_gradient(p, ready=False)
+                self._launch(state)
+        squares = []
+        for state in self._buckets:
+            state.handle.wait()
+            if self.track_grad_norms:
+                payload = state.bucket.payload
+                squares.append(torch.dot(payload, payload).double())
+        host = self._finish_control()
+        # a monitored step's one transfer of gradient data to the host (a sync on a GPU)
+        global_sq = float(torch.stack(squares).sum()) if squares else 0.0
+        self.last_stats = GradientStats(float(host[0]), global_sq,
+                                        host[1:self._extra_slots + 1].copy())
+        if self._model_avg is not None:
+            self._finish_model_average()
+        self._finish_pair_average()  # a monitored pair-avg step
+        self._end_step()
+        return self.last_stats
+
+    def _end_step(self) -> None:
+        """The step's exchange is complete: a later failure does not undo it."""
+        self._reset_step()
+        self._synchronized = True
+
+    def flat_gradients(self) -> List[torch.Tensor]:
+        """The gradient buckets' payloads (views; valid until the next zero_grad)."""
+        return [b.bucket.payload for b in self._buckets]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+def _one_device(named) -> torch.device:
+    """The device every parameter is on; ConfigurationError naming one that is elsewhere."""
+    first_name, first = named[0]
+    for name, p in named:
+        if p.device != first.device:
+            raise ConfigurationError(
+                f"parameter {name!r} is on {p.device} and {first_name!r} on {first.device}: "
+                f"move the whole model to one device before wrapping its optimizer")
+    return first.device
+
+
+def _bcast(comm: MPI.Intracomm, buf: np.ndarray, root: int, watch) -> None:
+    """A broadcast whose wait is bounded (PeerFailure when a peer is dead or silent)."""
+    wait_request(comm.Ibcast(buf, root=root), watch, "a state broadcast")
+
+
+def _pack_broadcast(tensors: Sequence[torch.Tensor], root: int, comm: MPI.Intracomm,
+                    bucket_bytes: int, watch=None) -> None:
+    """Root's ``tensors`` to every rank. State travels only at joins and recoveries, and
+    device tensors go through the host. Between processes of one node straight from and
+    into the tensors' memory through a memory file (``hpcadapt.comm.nodecast``: no packing);
+    otherwise packed into fused buffers over MPI."""
+    if _node_broadcast(tensors, root, comm, watch):
+        return
+    for group in plan_buckets(tensors, bucket_bytes):
+        members = [tensors[i] for i in group]
+        bucket = Bucket.for_tensors(members)
+        if comm.Get_rank() == root:
+            bucket.pack(members)
+        host = bucket.flat if bucket.flat.is_cpu else bucket.flat.cpu()
+        _bcast(comm, host.view(torch.uint8).numpy(), root, watch)  # bytes: any dtype
+        with torch.no_grad():
+            if host is not bucket.flat:
+                bucket.flat.copy_(host)
+            bucket.unpack(members)
+
+
+def _node_broadcast(tensors: Sequence[torch.Tensor], root: int, comm: MPI.Intracomm,
+                    watch) -> bool:
+    """``tensors`` through ``nodecast`` as raw bytes; False (on every rank) where it does
+    not apply. A tensor that is not contiguous in host memory goes through a host copy."""
+    # The same on every rank (sizes only): whether to try is never a rank's own choice.
+    if sum(t.nbytes for t in tensors) < nodecast.MIN_BYTES:
+        return False
+    hosts = [t if t.is_cpu and t.is_contiguous() else t.detach().cpu().contiguous()
+             for t in tensors]
+    views = [h.detach().reshape(-1).view(torch.uint8).numpy() for h in hosts if h.numel()]
+    if not nodecast.broadcast_buffers(comm, views, root, watch):
+        return False
+    with torch.no_grad():
+        for t, h in zip(tensors, hosts):
+            if h is not t:
+                t.copy_(h)
+    return True
+
+
+def broadcast_parameters(tensors: Sequence[torch.Tensor], *, root: int = 0,
+                         world: Optional[World] = None,
+                         bucket_bytes: int = 16 * 1024 * 1024) -> None:
+    """Overwrite ``tensors`` (parameters, buffers) on every rank with root's values."""
+    w = world if world is not None else current_world()
+    tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for t in tensors]
+    _pack_broadcast(tensors, root, w.comm, bucket_bytes, getattr(w, "watch", None))
+
+
+def broadcast_object_state(state: Optional[dict], *, root: int = 0,
+                           world: Optional[World] = None) -> dict:
+    """Broadcast a dict of tensors and plain values from root, as ``torch.save`` bytes.
+
+    Receivers load with ``weights_only=True``, so nothing but tensors and plain
+    containers can be reconstructed: no arbitrary pickle crosses the wire."""
+    w = world if world is not None else current_world()
+    comm = w.comm
+    if comm.Get_rank() == root:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+        n = np.array([data.size], dtype=np.int64)
+    else:
+        n = np.zeros(1, dtype=np.int64)
+    watch = getattr(w, "watch", None)
+    _bcast(comm, n, root, watch)
+    if comm.Get_rank() != root:
+        data = np.empty(int(n[0]), dtype=np.uint8)
+    _bcast(comm, data, root, watch)
+    if comm.Get_rank() == root:
+        return state
+    return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, *, root: int = 0,
+                              world: Optional[World] = None) -> None:
+    """Make every rank's optimizer state (momentum buffers, hyper-parameters) root's.
+
+    The structure travels as a small document; the tensors travel as fused buffers."""
+    w = world if world is not None else current_world()
+    if w.size == 1:
+        return
+    is_root = w.comm.Get_rank() == root
+    tensors: List[torch.Tensor] = []
+
+    def strip(obj):
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj)
+            return ["__tensor__", len(tensors) - 1, list(obj.shape), str(obj.dtype)]
+        if isinstance(obj, dict):
+            return {k: strip(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(strip(v) for v in obj)
+        return obj
+
+    skeleton = broadcast_object_state(strip(optimizer.state_dict()) if is_root else None,
+                                      root=root, world=w)
+    if not is_root:
+        def build(obj):
+            if isinstance(obj, list) and len(obj) == 4 and obj[0] == "__tensor__":
+                t = torch.empty(obj[2], dtype=getattr(torch, obj[3].replace("torch.", "")))
+                tensors.append(t)
+                return t
+            if isinstance(obj, dict):
+                return {k: build(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(build(v) for v in obj)
+            return obj
+        state = build(skeleton)
+    if tensors:
+        _pack_broadcast(tensors, root, w.comm, 16 * 1024 * 1024, getattr(w, "watch", None))
+    if not is_root:
+        optimizer.load_state_dict(state)

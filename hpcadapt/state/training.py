@@ -1,0 +1,419 @@
+"""The training state: everything a replica needs to continue training exactly where the job
+stands (model, optimizer, data cursor, hyper-parameters, policy and monitor state, RNG, the
+user's own state). One home for saving it to a checkpoint, loading it back, and syncing it
+from rank 0 to other ranks after a resize or a resume."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import math
+import numbers
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterator, Mapping, MutableMapping, Optional
+
+import torch
+from torch import nn
+
+from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.strategy import Strategy
+
+__all__ = ["HyperParams", "UserState", "TrainingState", "CHECKPOINT_FORMAT", "read_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 3
+# A checkpoint file: one line of JSON (format, payload length and BLAKE2b digest), then the
+# payload that torch.save wrote. The digest covers every tensor and value in it.
+_MAGIC = "hpcadapt-checkpoint"
+_HEADER_MAX = 4096
+
+
+@dataclass
+class HyperParams:
+    """The hyper-parameters decisions change between steps. ``lr`` is the reference rate:
+    every param group's rate moves by the same factor when it changes. ``ramp`` is
+    ``(start_step, steps, start_lr, end_lr)`` while a learning-rate ramp runs."""
+
+    batch_size: int
+    lr: float
+    momentum: float
+    base_lr: float
+    base_batch_size: int
+    ramp: Optional[tuple] = None
+
+    def lr_at(self, step: int) -> float:
+        """The rate at ``step``, following the ramp (Lin et al.'s gamma_t) while it runs."""
+        if self.ramp is None:
+            return self.lr
+        start, steps, start_lr, end_lr = self.ramp
+        if steps <= 0 or step - start >= steps:
+            return end_lr
+        k = end_lr / start_lr
+        return start_lr * (1.0 + max(0, step - start) / steps * (k - 1.0))
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "state_dict") and callable(value.state_dict):
+        return value.state_dict()
+    return value
+
+
+class UserState(MutableMapping):
+    """The user's own state that travels with the job: objects with ``state_dict`` and
+    ``load_state_dict`` (modules, schedulers, EMA weights) are loaded in place; plain values
+    (numbers, strings, tensors, lists and dicts of them) are replaced. Read and write it like
+    a dict: ``job.state["seen"] += 1``."""
+
+    def __init__(self, values: Optional[Mapping[str, Any]] = None):
+        self._values: Dict[str, Any] = {}
+        for key, value in (values or {}).items():
+            self[key] = value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if not isinstance(key, str):
+            raise ConfigurationError(f"user state keys must be strings, got {key!r}")
+        self._values[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def check_serialisable(self) -> None:
+        """ConfigurationError naming the first key that cannot travel (tensors and plain
+        containers only: states are loaded with ``weights_only=True``, never as pickle)."""
+        for key, value in self._values.items():
+            buf = io.BytesIO()
+            try:
+                torch.save(_plain(value), buf)
+                buf.seek(0)
+                torch.load(buf, weights_only=True)
+            except Exception as exc:  # torch raises several types for unsafe objects
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ConfigurationError(
+                    f"user state {key!r} ({type(value).__name__}) cannot be saved or sent to "
+                    f"other ranks: {first}. Use tensors, numbers, strings, lists and dicts of "
+                    f"them, or an object with state_dict() and load_state_dict()") from None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {key: _plain(value) for key, value in self._values.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = sorted(set(self._values) - set(state))
+        extra = sorted(set(state) - set(self._values))
+        if missing or extra:
+            raise ConfigurationError(
+                f"user state keys differ: this run has {sorted(self._values)}, the saved state "
+                f"has {sorted(state)}")
+        for key, value in state.items():
+            mine = self._values[key]
+            if hasattr(mine, "load_state_dict") and callable(mine.load_state_dict):
+                mine.load_state_dict(value)
+            else:
+                self._values[key] = value
+
+
+class TrainingState:
+    """Where training stands, held by every rank and identical on all of them after each
+    step boundary. ``optimizer`` is the wrapped (data-parallel) optimizer's inner one."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sampler,
+                 hyper: HyperParams, gns, user: UserState, policies=None):
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.hyper = hyper
+        self.gns = gns
+        self.user = user
+        self.policies = policies  # the engine (rank 0 decides with it), or None
+        self.strategy = Strategy()  # the synchronisation strategy (hpcadapt.base.strategy)
+        self.topology = "flat"      # the gradients' allreduce topology (hpcadapt.comm.topology)
+        self.step = 0
+        self.epoch = 0
+        # Whether the job has entered its epoch loop (its before_train hooks ran): a worker
+        # that joins before that (--initial-workers) runs the hooks with everyone else.
+        self.started = False
+        # The number of workers training when this state was written (a resume grows back).
+        self.world_size = 1
+        self.last_accuracy = float("nan")
+        # The reference rate the param groups hold now (they move by lr / applied_lr).
+        self.applied_lr = hyper.lr
+        # The settings training started with: a resume must start from the same ones.
+        self.origin = {"lr": hyper.lr, "batch_size": hyper.batch_size,
+                       "momentum": hyper.momentum}
+
+    # -- plain part ------------------------------------------------------------------------
+    def meta(self, cluster_version: int) -> Dict[str, Any]:
+        """Everything but the model and optimizer, as tensors and plain values."""
+        hyper = asdict(self.hyper)
+        hyper["ramp"] = list(self.hyper.ramp) if self.hyper.ramp else None
+        return {"step": self.step, "epoch": self.epoch, "hyper": hyper,
+                "sampler": self.sampler.state_dict(), "gns": self.gns.state_dict(),
+                "rng": torch.get_rng_state(), "version": cluster_version,
+                "accuracy": self.last_accuracy, "applied_lr": self.applied_lr,
+                # Policies decide on rank 0 only; their state matters for a checkpoint.
+                "policies": self.policies.state_dict() if self.policies is not None else {},
+                "user": self.user.state_dict(), "origin": dict(self.origin),
+                "strategy": self.strategy.to_dict(), "topology": self.topology,
+                "started": self.started, "world_size": self.world_size}
+
+    def load_meta(self, meta: Mapping[str, Any]) -> None:
+        self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
+        h = dict(meta["hyper"])
+        h["ramp"] = tuple(h["ramp"]) if h.get("ramp") else None
+        self.hyper = HyperParams(**h)
+        self.sampler.load_state_dict(meta["sampler"])
+        self.gns.load_state_dict(meta["gns"])
+        torch.set_rng_state(meta["rng"])
+        self.last_accuracy = float(meta["accuracy"])
+        self.applied_lr = float(meta["applied_lr"])
+        if self.policies is not None and meta.get("policies"):
+            self.policies.load_state_dict(meta["policies"])
+        self.user.load_state_dict(meta["user"])
+        if meta.get("origin"):
+            self.origin = dict(meta["origin"])
+        if meta.get("strategy"):
+            self.strategy = Strategy.from_dict(meta["strategy"])
+        if meta.get("topology"):
+            self.topology = str(meta["topology"])
+        self.started = bool(meta.get("started", True))  # older checkpoints: a started job
+        self.world_size = int(meta.get("world_size", 1))
+
+    # -- sync ------------------------------------------------------------------------------
+    def broadcast(self, view, *, is_root: bool, root: int = 0) -> int:
+        """Make every rank of ``view`` (a communicator view) hold the state of rank
+        ``root`` (``is_root`` on that one); returns the root's cluster version."""
+        from hpcadapt.parallel.optimizer import (broadcast_object_state, broadcast_optimizer_state,
+                               broadcast_parameters)
+
+        meta = broadcast_object_state(self.meta(view.version) if is_root else None,
+                                      root=root, world=view)
+        if not is_root:
+            self.load_meta(meta)
+        broadcast_parameters(list(self.model.parameters()) + list(self.model.buffers()),
+                             root=root, world=view)
+        broadcast_optimizer_state(self.optimizer, root=root, world=view)
+        return int(meta["version"])
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, path: str, *, cluster_version: int, identity: Mapping[str, Any]) -> None:
+        """Write the whole state to ``path`` atomically and durably: a private temporary file
+        created exclusively in the same folder (never a predictable name that a planted
+        symlink could redirect), fsync, a rename over ``path`` (a symlink there is replaced,
+        not followed), then fsync of the folder. The header's digest covers the payload."""
+        blob = {"format": CHECKPOINT_FORMAT, "identity": dict(identity),
+                "meta": self.meta(cluster_version), "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict()}
+        buf = io.BytesIO()
+        torch.save(blob, buf)
+        payload = buf.getvalue()
+        header = json.dumps({"magic": _MAGIC, "format": CHECKPOINT_FORMAT,
+                             "length": len(payload),
+                             "blake2b": hashlib.blake2b(payload).hexdigest()}).encode() + b"\n"
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".hpcadapt-ckpt-", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def load(self, path: str, *, identity: Mapping[str, Any]) -> None:
+        """Read and check a checkpoint, then load it. ValueError saying what is wrong when
+        it is damaged (digest), not an hpcadapt checkpoint, not this run's (identity, model,
+        the settings training started with) or not plausible (cursor, step, non-finite
+        weights); nothing is loaded then. Tensors and plain data only (``weights_only``)."""
+        blob = read_checkpoint(path)
+        theirs = blob.get("identity", {})
+        for key, value in identity.items():
+            if key in theirs and theirs[key] != value:
+                raise ValueError(f"it was written for {key}={theirs[key]!r}, this run has "
+                                 f"{key}={value!r}")
+        self._check_model(blob["model"])
+        self._check_meta(blob["meta"])
+        self._check_optimizer(blob["optimizer"])
+        self.model.load_state_dict(blob["model"])
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.load_meta(blob["meta"])
+
+    def _check_meta(self, meta: Mapping[str, Any]) -> None:
+        """Every field in range, else ValueError naming it and its value (a checksum proves
+        integrity, not sense): counts whole and non-negative, bounded by the dataset where
+        it bounds them, rates and statistics finite."""
+        try:
+            sampler, hyper = meta["sampler"], meta["hyper"]
+            total = _whole("dataset size", sampler["num_samples"])
+            origin = meta.get("origin") or {}
+            gns = meta.get("gns") or {}
+            if total != self.sampler.num_samples:
+                raise ValueError(f"it was written for a dataset of {total} samples, this one "
+                                 f"has {self.sampler.num_samples}")
+            step, epoch = _whole("step", meta["step"]), _whole("epoch", meta["epoch"])
+            cursor = _whole("data cursor", sampler["cursor"])
+            _whole("sampler epoch", sampler["epoch"])
+            _whole("sampler seed", sampler["seed"], high=2 ** 64 - 1)
+            _whole("sampler shuffle", sampler["shuffle"], high=1)
+            _whole("cluster version", meta["version"])
+            for key in ("batch_size", "base_batch_size"):
+                _whole(key.replace("_", " "), hyper[key], low=1, high=total)
+            for key in ("lr", "base_lr"):
+                _finite(key, hyper[key], positive=True)
+            _finite("momentum", hyper["momentum"], low=0.0)
+            if hyper.get("ramp") is not None:
+                start, steps, start_lr, end_lr = hyper["ramp"]
+                _whole("ramp start", start)
+                _whole("ramp steps", steps)
+                _finite("ramp start lr", start_lr, positive=True)
+                _finite("ramp end lr", end_lr, positive=True)
+            _finite("applied lr", meta["applied_lr"], positive=True)
+            if not math.isnan(_number("accuracy", meta["accuracy"])):
+                _finite("accuracy", meta["accuracy"], low=0.0, high=1.0)
+            for key in ("g", "s", "weight"):
+                if key in gns:
+                    _finite(f"noise scale statistic {key}", gns[key])
+            if "ema" in gns:
+                _finite("noise scale ema", gns["ema"], positive=True, high=1.0)
+            if "base_batch" in gns:
+                _whole("noise scale base batch", gns["base_batch"])
+            for key in ("lr", "momentum"):
+                if key in origin:
+                    _finite(f"starting {key}", origin[key], low=0.0)
+            if "batch_size" in origin:
+                _whole("starting batch size", origin["batch_size"], low=1, high=total)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"its training state is incomplete ({exc!r})") from None
+        if cursor > total:
+            raise ValueError(f"its progress is impossible (epoch {epoch}, step {step}, cursor "
+                             f"{cursor} of {total} samples)")
+        for key, mine in self.origin.items():
+            if key in origin and not math.isclose(float(origin[key]), float(mine),
+                                                  rel_tol=1e-12):
+                raise ValueError(f"training was started with {key} {origin[key]:g} there and "
+                                 f"with {mine:g} here: resume with the settings it started "
+                                 f"with, or remove the checkpoint to start afresh")
+
+    @staticmethod
+    def _check_optimizer(saved: Mapping[str, Any]) -> None:
+        """The optimizer's state (momentum buffers, Adam's moments, step counts) and its
+        groups' settings finite: NaN there resumed silently and trained NaN."""
+        try:
+            states, groups = saved["state"], saved["param_groups"]
+            for index, entry in states.items():
+                for key, value in entry.items():
+                    _finite_values(f"optimizer state {key!r} of parameter {index}", value)
+            for number, group in enumerate(groups):
+                for key, value in group.items():
+                    if key != "params":
+                        _finite_values(f"optimizer group {number}'s {key!r}", value)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"its optimizer state is incomplete ({exc!r})") from None
+
+    def _check_model(self, saved: Mapping[str, Any]) -> None:
+        mine = self.model.state_dict()
+        for name in mine:
+            if name not in saved:
+                raise ValueError(f"its model has no {name!r} (this model's parameters: "
+                                 f"{len(mine)}, the checkpoint's: {len(saved)})")
+            if tuple(saved[name].shape) != tuple(mine[name].shape):
+                raise ValueError(f"{name!r} has shape {tuple(saved[name].shape)} there and "
+                                 f"{tuple(mine[name].shape)} in this model")
+            if saved[name].is_floating_point() and not bool(torch.isfinite(saved[name]).all()):
+                raise ValueError(f"its {name!r} holds NaN or infinite values")
+        extra = [n for n in saved if n not in mine]
+        if extra:
+            raise ValueError(f"it holds {extra[0]!r}, which this model does not have")
+
+
+_MOST = 2 ** 62  # larger counts are not a real run's (and overflow where they are used)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"its {name} is {value!r}, not a number")
+    return float(value)
+
+
+def _whole(name: str, value: Any, *, low: int = 0, high: int = _MOST) -> int:
+    """``value`` as a whole number in [low, high]; ValueError naming ``name`` otherwise."""
+    v = _number(name, value)
+    if not (math.isfinite(v) and v == int(v) and low <= int(v) <= high):
+        raise ValueError(f"its {name} is {value!r} (a whole number in [{low}, {high}] "
+                         f"expected)")
+    return int(v)
+
+
+def _finite(name: str, value: Any, *, low: Optional[float] = None,
+            high: Optional[float] = None, positive: bool = False) -> float:
+    """``value`` as a finite number (above 0 when ``positive``, within low/high)."""
+    v = _number(name, value)
+    if not (math.isfinite(v) and (not positive or v > 0) and (low is None or v >= low)
+            and (high is None or v <= high)):
+        raise ValueError(f"its {name} is {value!r}")
+    return v
+
+
+def _finite_values(name: str, value: Any) -> None:
+    """Tensors and numbers (in tuples and lists) finite; other values are not checked."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"its {name} holds NaN or infinite values")
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _finite_values(name, item)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not math.isfinite(float(value)):
+            raise ValueError(f"its {name} is {value!r}")
+
+
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """The checked content of a checkpoint file; ValueError naming what is wrong (not one,
+    truncated, damaged, another format)."""
+    with open(path, "rb") as f:
+        head = f.readline(_HEADER_MAX)
+        try:
+            header = json.loads(head)
+            ok = isinstance(header, dict) and header.get("magic") == _MAGIC
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError("it is not an hpcadapt checkpoint (no header)")
+        if header.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"it has format {header.get('format')!r}; this hpcadapt reads "
+                             f"format {CHECKPOINT_FORMAT}")
+        payload = f.read()
+    if len(payload) != header.get("length"):
+        raise ValueError(f"it is truncated or padded ({len(payload)} bytes of payload, the "
+                         f"header says {header.get('length')})")
+    if hashlib.blake2b(payload).hexdigest() != header.get("blake2b"):
+        raise ValueError("it is damaged: its content does not match its checksum")
+    try:
+        blob = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"its payload cannot be read ({type(exc).__name__})") from None
+    if not isinstance(blob, dict) or not {"meta", "model", "optimizer"} <= set(blob):
+        raise ValueError("its payload is not a training state")
+    return blob
