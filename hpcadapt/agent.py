@@ -28,57 +28,14 @@ import tempfile
 from typing import List, Optional, Set
 
 from hpcadapt.base import config
+from hpcadapt.base.agent_files import (AGENT_FILE, COORDINATOR_FILE, EXIT_FILE, STOPPING_FILE,
+                                       read_int, write_file, agent_pid, record_coordinator,
+                                       record_exit_code, stopping)
 
-__all__ = ["main", "record_coordinator", "record_exit_code", "agent_pid"]
+__all__ = ["main", "run", "record_coordinator", "record_exit_code", "agent_pid", "stopping"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
-COORDINATOR_FILE = "coordinator"
-EXIT_FILE = "exit-code"
-AGENT_FILE = "agent"
-STOPPING_FILE = "stopping"
-
-
-def record_coordinator() -> None:
-    """The new coordinator (rank 0) writes its pid for the agent, if there is one."""
-    _write(COORDINATOR_FILE, str(os.getpid()))
-
-
-def agent_pid() -> Optional[int]:
-    """The agent's pid, when this process runs under one."""
-    folder = config.agent_dir()
-    return _read_int(folder, AGENT_FILE) if folder is not None else None
-
-
-def record_exit_code(code: int) -> None:
-    """The coordinator's exit code, which the agent returns."""
-    _write(EXIT_FILE, str(int(code)))
-
-
-def stopping() -> bool:
-    """Whether the agent was asked to stop the job (a worker's death is then not recovered
-    from: the job is ending)."""
-    folder = config.agent_dir()
-    return folder is not None and os.path.exists(os.path.join(folder, STOPPING_FILE))
-
-
-def _write(name: str, text: str, folder: Optional[str] = None) -> None:
-    folder = folder or config.agent_dir()
-    if folder is None:
-        return
-    # A private folder of the agent's: a temporary file created exclusively there, renamed.
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=folder)
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(folder, name))
-
-
-def _read_int(folder: str, name: str) -> Optional[int]:
-    try:
-        with open(os.path.join(folder, name), encoding="ascii") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def _become_subreaper() -> None:
@@ -119,11 +76,11 @@ def run(command: List[str]) -> int:
 
     def forward(signum, _frame) -> None:
         # A stop asked of the agent: the job ends, it does not recover (job.py reads this).
-        _write(STOPPING_FILE, str(signum), folder)
+        write_file(STOPPING_FILE, str(signum), folder)
         if first is None:
             pending.append(signum)
             return
-        targets = {_read_int(folder, COORDINATOR_FILE)}
+        targets = {read_int(folder, COORDINATOR_FILE)}
         if first_code is None:
             targets.add(first.pid)  # not reaped yet: the pid is still the launch's
         for pid in targets - {None}:
@@ -157,7 +114,7 @@ def run(command: List[str]) -> int:
             if first_code is not None and inherited is not None and left is not None \
                     and left <= inherited:
                 break
-        code = _read_int(folder, EXIT_FILE)
+        code = read_int(folder, EXIT_FILE)
         return code if code is not None else (first_code or 0)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

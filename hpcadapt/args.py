@@ -10,8 +10,9 @@ import argparse
 import logging
 from typing import List, Optional
 
-from hpcadapt.policies import POLICIES, add_policy_arguments, argparse_type, params
-from hpcadapt.policies.lr_rules import RULE_PARAMS
+from hpcadapt.base.options import RESIZING_POLICIES, refuse_inconsistent
+from hpcadapt.policies import add_policy_arguments, argparse_type, params
+from hpcadapt.policies import unused_flags as warn_unused_policy_flags
 
 from hpcadapt.elastic.allocator import LAUNCHERS
 from hpcadapt.loop.engine import RESIZE_BATCH
@@ -29,8 +30,6 @@ log = logging.getLogger(__name__)
 
 ALLOCATORS = ["auto", "local", "slurm"]
 
-# Policies whose decisions change the number of workers: they need an allocator.
-RESIZING_POLICIES = ("resize-schedule", "autoscale", "straggler")
 
 positive_int = argparse_type(params.positive_int)
 positive_float = argparse_type(params.positive_float)
@@ -259,57 +258,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     o.add_argument("--sample-log", default=None, metavar="DIR",
                    help="each process appends the sample indices it trains on to DIR (tests)")
     return parser
-
-
-def warn_unused_policy_flags(args: argparse.Namespace) -> List[str]:
-    """The flags of policies that were not chosen but were given a value other than their
-    default (they would be silently ignored); returns one message per policy."""
-    chosen = set(getattr(args, "policy", []) or [])
-    messages = []
-    for name in sorted(POLICIES):
-        if name in chosen:
-            continue
-        given = [f"--{name}-{p.name}" for p in POLICIES[name].params
-                 if getattr(args, f"{name}_{p.name}".replace("-", "_"), p.default) != p.default]
-        if given:
-            messages.append(f"{', '.join(given)} given without --policy {name}: ignored "
-                            f"(add --policy {name} to use it)")
-    if getattr(args, "strategy", "ssgd") != "bounded-delay":  # (sync-switch: its own flags)
-        for flag, default in (("max_delay", Strategy.max_delay),
-                              ("async_round_steps", Strategy.round_steps)):
-            if getattr(args, flag, default) != default:
-                messages.append(f"--{flag.replace('_', '-')} given without --strategy "
-                                f"bounded-delay: ignored")
-    if getattr(args, "slow_rank", None) is None:
-        for flag in ("slow_compute", "slow_comm"):
-            if getattr(args, flag, 1.0) != 1.0:
-                messages.append(f"--{flag.replace('_', '-')} given without --slow-rank: "
-                                f"ignored (name the rank to slow)")
-    rule = getattr(args, "lr_rule", "none")
-    if rule == "none":
-        for p in RULE_PARAMS:
-            if p.name != "lr-rule" and getattr(args, p.name.replace("-", "_"), p.default) != p.default:
-                messages.append(f"--{p.name} given with --lr-rule none: ignored")
-    return messages
-
-
-def refuse_inconsistent(options) -> str:
-    """Why flags that each parse are unusable together (one line), or "": checked at start,
-    on every rank alike, instead of being ignored or failing mid-run. ``options``: a
-    ``JobOptions`` (or anything with its fields)."""
-    most = options.max_workers
-    if most is None:
-        if options.min_workers > 1:
-            return (f"--min-workers {options.min_workers} needs --max-workers (without it the "
-                    f"world keeps its size)")
-        for policy in options.policies:
-            if getattr(policy, "name", "") in RESIZING_POLICIES:
-                return (f"--policy {policy.name} resizes the job and needs --max-workers (the "
-                        f"most workers it may grow to)")
-    for policy in options.policies:
-        if getattr(policy, "name", "") == "resize-schedule":
-            for step, size in policy.steps:
-                if options.max_steps is not None and step > options.max_steps:
-                    return (f"--resize-schedule-steps {step}:{size}: step {step} is beyond "
-                            f"--max-steps {options.max_steps} (the run ends first)")
-    return ""

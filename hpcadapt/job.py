@@ -24,24 +24,29 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from hpcadapt import agent
+from hpcadapt.base import agent_files as agent
 from hpcadapt.base import config, faults, lifecycle
 from hpcadapt.comm import world as world_mod
+from hpcadapt.comm.world import CommView
 from hpcadapt.comm.collectives import ReduceOp, communicator
+from hpcadapt.comm.tell import root_tells
+from hpcadapt.loop.control import ControlLayout, StepTimes
 from hpcadapt.loop.engine import PolicyEngine
 from hpcadapt.base.errors import ConfigurationError, HpcAdaptError, MembershipError, on_every_rank
 from hpcadapt.data.loader import ElasticDataLoader, WalkKey, split_micro
-from hpcadapt.base.metrics import DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord
+from hpcadapt.base.options import JobOptions, refuse_inconsistent
+from hpcadapt.base.paths import unwritable
+from hpcadapt.base.metrics import (DecisionRecord, EpochRecord, MetricsSink, ResizeRecord, StepRecord,
+                                   json_safe)
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.loop.monitor import (GradientNoiseScale, MonitorConfig, estimate_from_consecutive,
                       estimate_from_replicas)
@@ -49,121 +54,14 @@ from hpcadapt.parallel.optimizer import DistributedOptimizer, GradientStats
 from hpcadapt.base.plan import Plan
 from hpcadapt.base.preemption import EXIT_REQUEUE, StopSignals
 from hpcadapt.state.rollback import StepCommit
-from hpcadapt.state.training import HyperParams, TrainingState, UserState
+from hpcadapt.state.training import (HyperParams, TrainingState, UserState, checkpoint_step,
+                                     momentum_of, optimizer_settings)
 from hpcadapt.base.strategy import Strategy
 
 __all__ = ["Job", "JobOptions", "StepTimes"]
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class JobOptions:
-    """The runtime's settings; ``JobOptions.from_args`` reads them from the flags that
-    ``hpcadapt.add_arguments`` adds. Policies come as objects (``policies``)."""
-
-    policies: List[Any] = field(default_factory=list)
-    lr_rule: str = "none"
-    lr_ramp_steps: int = 8
-    resize_batch: str = "keep-global"
-    monitors: List[str] = field(default_factory=list)
-    monitor_interval: int = 1
-    monitor_ema: float = 0.1
-    strategy: str = "ssgd"
-    sma_alpha: float = 0.1
-    local_sgd_period: int = 8
-    max_delay: int = 1
-    async_round_steps: int = 50
-    topology: str = "flat"
-    ranks_per_node: Optional[int] = None
-    slow_rank: Optional[int] = None
-    slow_compute: float = 1.0
-    slow_comm: float = 1.0
-    slow_until: Optional[int] = None
-    max_steps: Optional[int] = None
-    max_nonfinite_steps: int = 5
-    max_local_batch: Optional[int] = None
-    bucket_bytes: Optional[int] = None
-    device: str = "auto"
-    data_plane: str = "auto"
-    max_workers: Optional[int] = None
-    min_workers: int = 1
-    initial_workers: Optional[int] = None
-    resume_size: str = "saved"
-    warm_spares: int = 0
-    allocator: str = "auto"
-    launcher: str = "process"
-    join_timeout: float = 120.0
-    peer_timeout: float = 30.0
-    on_failure: str = "recover"
-    replace_failed: bool = False
-    slurm_partition: Optional[str] = None
-    slurm_pending_timeout: float = 60.0
-    slurm_mpi: str = "pmi2"
-    slurm_grow: str = "companion"
-    checkpoint: Optional[str] = None
-    checkpoint_every: Optional[int] = None
-    stop_signals: List[str] = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
-    stop_file: Optional[str] = None
-    metrics_file: Optional[str] = None
-    summary_json: Optional[str] = None
-    progress: bool = False
-    check_replicas: bool = False
-    broadcast_buffers: bool = True
-    sample_log: Optional[str] = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> "JobOptions":
-        """ConfigurationError when a policy's settings are unusable (it names the policy)."""
-        from hpcadapt.policies import build_policies
-
-        from hpcadapt.args import warn_unused_policy_flags
-
-        for message in warn_unused_policy_flags(args):
-            log.warning("%s", message)
-        values = {f: getattr(args, f) for f in cls.__dataclass_fields__
-                  if f not in ("policies", "monitors", "progress") and hasattr(args, f)}
-        values["policies"] = build_policies(args) if getattr(args, "policy", None) else []
-        values["monitors"] = list(getattr(args, "monitor", []) or [])
-        values["progress"] = not getattr(args, "no_progress", True)
-        values.update(overrides)
-        return cls(**values)
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    """Per-rank timings of the previous step, gathered through the control slots."""
-
-    step_time: np.ndarray      # seconds, one entry per rank
-    compute_time: np.ndarray   # forward + backward (with communication launched inside)
-    wait_time: np.ndarray      # waiting for the gradient allreduce to finish
-    samples: np.ndarray        # samples each rank trained on in this step
-
-
-class _CommView:
-    """The little of a World that the broadcast helpers use, for a sub-communicator."""
-
-    def __init__(self, comm, version: int):
-        self.comm = comm
-        self.size = comm.Get_size()
-        self.rank = comm.Get_rank()
-        self.version = version
-
-
-def joiner_argv() -> List[str]:
-    """How this process was started (``-m module`` or a script, with its arguments): a
-    joining worker runs the same, so it builds the same model and data."""
-    import __main__
-
-    spec = getattr(__main__, "__spec__", None)
-    if spec is not None and spec.name and spec.name != "__main__":
-        name = spec.name[:-len(".__main__")] if spec.name.endswith(".__main__") else spec.name
-        return ["-m", name] + sys.argv[1:]
-    if not sys.argv or sys.argv[0] in ("", "-c", "-"):
-        raise ConfigurationError("a job that may grow must run from a script or a module "
-                                 "(python script.py or python -m module), not python -c or "
-                                 "stdin: joining workers re-run it")
-    return [os.path.abspath(sys.argv[0])] + sys.argv[1:]
 
 
 class Job:
@@ -182,11 +80,8 @@ class Job:
         block_stop_signals()  # until the handlers below are in place (before MPI starts)
         lifecycle.install_abort_on_exception()
         setup_logging()  # before the flags are read: their warnings, once, rank-prefixed
-        self.options = JobOptions.from_args(args, **options) if args is not None \
-            else JobOptions(**options)
+        self.options = _options_of(args, options)
         o = self.options
-        from hpcadapt.args import refuse_inconsistent
-
         why = refuse_inconsistent(o)
         if why:  # the same flags on every rank: said once, by rank 0
             raise on_every_rank(ConfigurationError(why))
@@ -335,7 +230,8 @@ class Job:
         return o.data_plane
 
     def _setup_elastic(self) -> None:
-        from hpcadapt.elastic.membership import ElasticController
+        from hpcadapt.elastic.allocator import build_allocator
+        from hpcadapt.elastic.membership import ElasticController, joiner_argv
 
         o = self.options
         if o.max_workers < self.world.size and not self.joining:
@@ -353,7 +249,7 @@ class Job:
             raise ConfigurationError(f"--min-workers {o.min_workers} is above the "
                                      f"{self.world.size} workers running; start at least "
                                      f"{o.min_workers}")
-        self.allocator, join_root = _build_allocator(o, self.world.rank)
+        self.allocator, join_root = build_allocator(o, self.world.rank)
         self.elastic = ElasticController(self.world, self.allocator, joiner_argv(),
                                          join_timeout=o.join_timeout,
                                          min_workers=o.min_workers, join_root=join_root)
@@ -399,11 +295,11 @@ class Job:
         self.model, self.loader = model, loader
         self.optimizer = DistributedOptimizer(
             optimizer, model.named_parameters(), world=self.world, bucket_bytes=o.bucket_bytes,
-            extra_slots=self._extra_slots(), data_plane=self._data_plane(model),
+            extra_slots=self._control_layout().length, data_plane=self._data_plane(model),
             buffers=model.buffers() if o.broadcast_buffers else ())
         group = optimizer.param_groups[0]
         hyper = HyperParams(batch_size=loader.batch_size, lr=float(group["lr"]),
-                            momentum=float(_momentum_of(group)), base_lr=float(group["lr"]),
+                            momentum=float(momentum_of(group)), base_lr=float(group["lr"]),
                             base_batch_size=loader.batch_size)
         monitors = list(dict.fromkeys(list(o.monitors) + self.engine.required_monitors))
         self.monitor_cfg = MonitorConfig(tuple(monitors), self._monitor_interval(),
@@ -488,12 +384,9 @@ class Job:
 
     def _agree(self, error: str) -> None:
         """Rank 0's verdict for everyone: ConfigurationError on every rank if it is one."""
-        from hpcadapt.parallel.optimizer import broadcast_object_state
-
-        verdict = broadcast_object_state({"error": error} if self.world.rank == 0 else None,
-                                         world=self.world)
-        if verdict["error"]:
-            raise on_every_rank(ConfigurationError(verdict["error"]))
+        error = root_tells(error or None, self.world, what="rank 0's verdict")
+        if error:
+            raise on_every_rank(ConfigurationError(error))
 
     def _check_output_folders(self) -> None:
         """Refuse at start (not at the first write, nor when the stop signal comes) an output
@@ -505,9 +398,9 @@ class Job:
             for flag, path in (("--checkpoint", o.checkpoint), ("--metrics-file", o.metrics_file),
                                ("--summary-json", o.summary_json)):
                 if path and not error:
-                    error = _unwritable(flag, path, replaced=flag == "--checkpoint")
+                    error = unwritable(flag, path, replaced=flag == "--checkpoint")
             if o.sample_log and not error:
-                error = _unwritable("--sample-log", o.sample_log, folder_path=True)
+                error = unwritable("--sample-log", o.sample_log, folder_path=True)
         self._agree(error)
 
     @property
@@ -715,7 +608,7 @@ class Job:
         self.monitored = self.monitor_cfg.enabled and (st.step + 1) % self.monitor_cfg.interval == 0
         opt.track_grad_norms = self.monitored and self.world.size > 1
         opt.set_local_weight(part.weight)
-        opt.set_extra_slots(self._extra_slots())
+        opt.set_extra_slots(self._control_layout().length)
         opt.zero_grad()
         # --slow-compute: before forward, (F - 1) x the last step's own compute (the sleep
         # left out of it, or each step's sleep would feed the next one's)
@@ -849,24 +742,23 @@ class Job:
         """The control slots of a round: rank 0 fills the loss and each worker's mean time
         per update (its own compute slot stays 0: it trained nothing), every rank its stop
         signal, rank 0 the stop file."""
-        size = self._slot_ranks()
-        values = np.zeros(self._extra_slots())
+        layout = self._control_layout()
+        values = layout.zeros()
         if report is not None:
             # a round in which every update was non-finite reads as a non-finite loss
             nothing = report.nonfinite_updates and not report.applied_updates
-            values[0] = float("nan") if nothing else report.loss_sum
+            values[layout.LOSS] = float("nan") if nothing else report.loss_sum
             for w, n in report.updates.items():
                 per_update = report.round_s / n
                 compute = report.compute_s.get(w, 0.0) / n
-                values[1 + w] = per_update
-                values[1 + size + w] = compute
-                values[1 + 2 * size + w] = max(0.0, per_update - compute)
-                values[1 + 3 * size + w] = report.trained.get(w, 0)
-            values[1] = report.round_s / max(report.applications, 1)
+                layout.put_rank(values, w, step_s=per_update, compute_s=compute,
+                                wait_s=max(0.0, per_update - compute),
+                                samples=report.trained.get(w, 0))
+            values[layout.slot(layout.STEP, 0)] = report.round_s / max(report.applications, 1)
             stop_file = self.options.stop_file
-            values[_STOP_FILE] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
-            values[_NONFINITE_UPDATES] = report.nonfinite_updates
-        values[_STOP_SIGNAL] = 1.0 if self.stop_signals is not None and \
+            values[layout.STOP_FILE] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
+            values[layout.NONFINITE_UPDATES] = report.nonfinite_updates
+        values[layout.STOP_SIGNAL] = 1.0 if self.stop_signals is not None and \
             self.stop_signals.received else 0.0
         return values
 
@@ -1036,37 +928,31 @@ class Job:
         cap = self.elastic.allocator.capacity() if self.elastic is not None else 0
         return max(self.world.size, cap)
 
-    def _extra_slots(self) -> int:
-        # loss sum, per-rank step, compute and wait times and sample counts, then a round's
-        # non-finite updates, the stop file (rank 0 looks) and the number of ranks that
-        # received a stop signal (the last three: _NONFINITE_UPDATES, _STOP_FILE,
-        # _STOP_SIGNAL).
-        return 4 + 4 * self._slot_ranks()
+    def _control_layout(self) -> ControlLayout:
+        return ControlLayout(self._slot_ranks())
 
     def _stage_control(self) -> None:
-        size, rank = self._slot_ranks(), self.world.rank
-        extras = np.zeros(self._extra_slots())
-        extras[0] = self._loss_sum
+        """This rank's control values, sent with the step's gradients."""
+        layout, rank = self._control_layout(), self.world.rank
+        values = layout.zeros()
+        values[layout.LOSS] = self._loss_sum
         step_t, compute_t, wait_t = self._prev_local
-        extras[1 + rank] = step_t
-        extras[1 + size + rank] = compute_t
-        extras[1 + 2 * size + rank] = wait_t
-        extras[1 + 3 * size + rank] = len(self._part.indices)
+        layout.put_rank(values, rank, step_s=step_t, compute_s=compute_t, wait_s=wait_t,
+                        samples=len(self._part.indices))
         stop_file = self.options.stop_file
-        extras[_STOP_FILE] = 1.0 if rank == 0 and stop_file and os.path.exists(stop_file) \
+        values[layout.STOP_FILE] = 1.0 if rank == 0 and stop_file and os.path.exists(stop_file) \
             else 0.0
-        extras[_STOP_SIGNAL] = 1.0 if self.stop_signals is not None and \
+        values[layout.STOP_SIGNAL] = 1.0 if self.stop_signals is not None and \
             self.stop_signals.received else 0.0
-        self.optimizer.stage_extras(extras)
+        self.optimizer.stage_extras(values)
 
-    def _read_control(self, extras: np.ndarray, global_count: int) -> None:
-        cap, n = self._slot_ranks(), self.world.size
-        self.last_loss = extras[0] / global_count if global_count else float("nan")
-        self.last_times = StepTimes(*(extras[1 + k * cap:1 + k * cap + n].copy()
-                                      for k in range(4)))
-        self._stop_requested = bool(extras[_STOP_SIGNAL] > 0.5)
-        self._finish_requested = bool(extras[_STOP_FILE] > 0.5)
-        self._round_nonfinite = int(extras[_NONFINITE_UPDATES])
+    def _read_control(self, values: np.ndarray, global_count: int) -> None:
+        reading = self._control_layout().read(values, self.world.size, global_count)
+        self.last_loss = reading.loss
+        self.last_times = reading.times
+        self._stop_requested = reading.stop_signal
+        self._finish_requested = reading.stop_file
+        self._round_nonfinite = reading.nonfinite_updates
 
     # -- hyper-parameters ------------------------------------------------------------------
     def _apply_lr(self, lr: float) -> None:
@@ -1159,7 +1045,7 @@ class Job:
                 plan_text = self.engine.plan(decisions, snap, self.world.cluster_version).to_json()
         try:
             faults.point("plan", self.state.step)
-            plan_text = _broadcast_text(plan_text, self.world)
+            plan_text = root_tells(plan_text or None, self.world, what="the plan's broadcast")
             if plan_text:
                 self._apply_decided_plan(plan_text, snap, decisions)
         except world_mod.FAILURES as exc:
@@ -1186,12 +1072,10 @@ class Job:
         # decision, in the world that decided, before a resize changes it): a worker that
         # becomes the coordinator (rank 0 died) then holds it as of the last decision, so no
         # decision already applied is taken again.
-        from hpcadapt.parallel.optimizer import broadcast_object_state
-
-        state = broadcast_object_state({"policies": self.engine.state_dict()}
-                                       if self.world.rank == 0 else None, world=self.world)
+        state = root_tells(self.engine.state_dict() if self.world.rank == 0 else None,
+                           self.world, what="the policies' state")
         if self.world.rank != 0:
-            self.engine.load_state_dict(state["policies"])
+            self.engine.load_state_dict(state)
         self._apply_plan(plan)
 
     def _apply_plan(self, plan: Plan) -> None:
@@ -1463,16 +1347,14 @@ class Job:
     def _send_state_over_bridge(self, bridge, watch) -> None:
         """Rank 0, during a join: the state to one joiner over their two-process bridge."""
         watch.floor = self.options.peer_timeout
-        view = _CommView(bridge, self.world.cluster_version + 1)
-        view.watch = watch
+        view = CommView(bridge, self.world.cluster_version + 1, watch)
         self.state.broadcast(view, is_root=True)
 
     def _receive_state_over_bridge(self, bridge) -> None:
         """A joiner: the state from rank 0 over the bridge (bounded by --peer-timeout)."""
         watch = world_mod.PeerWatch(1, [], blind=True)
         watch.floor = self.options.peer_timeout
-        view = _CommView(bridge, -1)
-        view.watch = watch
+        view = CommView(bridge, -1, watch)
         self._joined_version = self.state.broadcast(view, is_root=False)
 
     def _confirm_join(self) -> None:
@@ -1613,8 +1495,7 @@ class Job:
                 t_surveyed = time.perf_counter()
                 if not same:
                     policy_state = self.engine.state_dict() if self.world.rank == 0 else None
-                    view = _CommView(self.world.comm, self.world.cluster_version)
-                    view.watch = self.world.watch
+                    view = CommView(self.world.comm, self.world.cluster_version, self.world.watch)
                     self.state.broadcast(view, is_root=self.world.rank == root, root=root)
                     if policy_state is not None:
                         self.engine.load_state_dict(policy_state)  # rank 0's decide
@@ -1820,8 +1701,7 @@ class Job:
         part = self.world.comm.Split(0 if (receiving or rank == 0) else MPI.UNDEFINED, rank)
         if part == MPI.COMM_NULL:
             return
-        view = _CommView(part, self.world.cluster_version)
-        view.watch = self.world.watch
+        view = CommView(part, self.world.cluster_version, self.world.watch)
         try:
             version = self.state.broadcast(view, is_root=rank == 0)
         finally:
@@ -1833,7 +1713,7 @@ class Job:
                       decided_at: float = float("nan")) -> None:
         """Every rank of the new world: rebuild what depends on the size, record the resize,
         and queue the policies' ``on_resize`` for the next boundary."""
-        self.optimizer.set_extra_slots(self._extra_slots())
+        self.optimizer.set_extra_slots(self._control_layout().length)
         self.optimizer._ensure_current()
         self._identical_after_resize = None
         # Under model averaging the replicas differ by design: nothing to compare.
@@ -2060,8 +1940,6 @@ class Job:
     # -- preemption and checkpoints ------------------------------------------------------------
     def _resume(self, path: str) -> bool:
         """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
-        from hpcadapt.parallel.optimizer import broadcast_object_state
-
         error, found = "", False
         if self.world.rank == 0 and os.path.exists(path):
             found = True
@@ -2071,8 +1949,8 @@ class Job:
                     ConfigurationError) as exc:
                 error = (f"cannot resume from {path}: {exc}; remove it or pass another "
                          f"--checkpoint")
-        verdict = broadcast_object_state({"error": error, "found": found}
-                                         if self.world.rank == 0 else None, world=self.world)
+        verdict = root_tells({"error": error, "found": found} if self.world.rank == 0 else None,
+                             self.world, what="the resume's verdict")
         if verdict["error"]:
             raise on_every_rank(ConfigurationError(verdict["error"]))
         if not verdict["found"]:
@@ -2107,12 +1985,11 @@ class Job:
         name = (self.stop_signals.received if self.stop_signals and self.stop_signals.received
                 else "a stop signal on another rank")
         self.stopped = name
-        saved = np.ones(1, dtype=np.int64)
+        saved = None
         if self.world.rank == 0:
-            saved[0] = self._save_for_stop(name)
-            self._record_stop(name, bool(saved[0]), requeue=bool(saved[0]))
-        communicator(self.world).broadcast(saved, root=0)
-        if not saved[0]:
+            saved = self._save_for_stop(name)
+            self._record_stop(name, saved, requeue=saved)
+        if not root_tells(saved, self.world, what="the stop's verdict"):
             self.stopped = f"{name}; state NOT saved"
 
     def _record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
@@ -2142,7 +2019,7 @@ class Job:
                   st.hyper.lr, st.hyper.batch_size)
         self._record_stop(name, False, requeue=False)
         path = self.options.checkpoint
-        kept = _checkpoint_step(path) if path else None
+        kept = checkpoint_step(path) if path else None
         if kept is not None:
             log.error("the state in memory holds the update that diverged and is not saved; "
                       "%s keeps the checkpoint of step %d", path, kept)
@@ -2190,7 +2067,7 @@ class Job:
 
     def summary(self) -> Dict[str, Any]:
         st = self._require_setup()
-        return _strict({"final_test_accuracy": st.last_accuracy, "steps": st.step,
+        return json_safe({"final_test_accuracy": st.last_accuracy, "steps": st.step,
                         "epochs": st.epoch, "world_size": self.world.size,
                         "batch_size": st.hyper.batch_size, "lr": self._last_lr(),
                         "left": self.left, "cluster_version": self.world.cluster_version,
@@ -2254,39 +2131,19 @@ class Job:
         return self.state
 
 
-def _unwritable(flag: str, path: str, *, folder_path: bool = False,
-                replaced: bool = False) -> str:
-    """Why ``path`` cannot be written (a one-line message naming ``flag``), or "". The file
-    itself when it exists (opened for writing without following a link, creating or
-    truncating nothing: a read-only file used to pass and fail at the job's end), then its
-    folder (a probe file). ``folder_path``: ``path`` is a folder the job writes into;
-    ``replaced``: the file is only ever renamed over (a checkpoint), so only its folder
-    counts."""
-    if os.path.islink(path) and not replaced:
-        return (f"{flag} {path}: is a symbolic link, which hpcadapt does not write through; "
-                f"pass the real path")
-    if os.path.isdir(path) and not folder_path:
-        return f"{flag} {path}: is a folder; pass a file path"
-    if os.path.lexists(path) and folder_path and not os.path.isdir(path):
-        return f"{flag} {path}: is not a folder; pass a folder path"
-    if os.path.lexists(path) and not (folder_path or replaced):
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK
-                             | os.O_CLOEXEC))
-        except OSError as exc:
-            return (f"{flag} {path}: the file cannot be written ({exc.strerror}); make it "
-                    f"writable or pass another path")
-    folder = os.path.abspath(path) if folder_path else os.path.dirname(os.path.abspath(path))
-    while folder_path and not os.path.exists(folder):
-        folder = os.path.dirname(folder)  # the folder that its missing ones are made in
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".hpcadapt-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        return (f"{flag} {path}: cannot write in {folder} ({exc.strerror}); pass a path in a "
-                f"writable folder")
-    return ""
+def _options_of(args: Optional[argparse.Namespace], keywords: Mapping[str, Any]) -> JobOptions:
+    """The options from a namespace of hpcadapt's flags (its unused flags warned about once,
+    its policies built: ConfigurationError names a policy whose settings are unusable), or
+    from keywords alone."""
+    if args is None:
+        return JobOptions(**keywords)
+    from hpcadapt.policies import build_policies, unused_flags
+
+    for message in unused_flags(args):
+        log.warning("%s", message)
+    policies = build_policies(args) if getattr(args, "policy", None) else []
+    return JobOptions.from_args(args, **dict({"policies": policies}, **keywords))
+
 
 
 def MPI_COMM_NULL():
@@ -2295,52 +2152,8 @@ def MPI_COMM_NULL():
     return MPI.COMM_NULL
 
 
-# The last control slots (Job._extra_slots): a bounded-delay round's non-finite updates, the
-# stop file (rank 0 looks), the ranks that received a stop signal.
-_NONFINITE_UPDATES, _STOP_FILE, _STOP_SIGNAL = -3, -2, -1
 
 
-def _checkpoint_step(path: str) -> Optional[int]:
-    """The step a readable checkpoint at ``path`` holds, or None."""
-    from hpcadapt.state.training import read_checkpoint
-
-    if not os.path.exists(path):
-        return None
-    try:
-        return int(read_checkpoint(path)["meta"]["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """What the optimizer itself holds (not hpcadapt's reference values): the first param
-    group's ``lr``, ``momentum`` and ``betas`` (None where it has no such setting), and
-    every group's rate under ``lr_groups`` when they differ (else None)."""
-    groups = optimizer.param_groups
-    first = groups[0]
-    rates = [float(g["lr"]) for g in groups]
-    return {"lr": rates[0],
-            "momentum": float(first["momentum"]) if "momentum" in first else None,
-            "betas": [float(b) for b in first["betas"]] if "betas" in first else None,
-            "lr_groups": rates if len(set(rates)) > 1 else None}
-
-
-def _momentum_of(group: Mapping[str, Any]) -> float:
-    if "momentum" in group:
-        return float(group["momentum"])
-    betas = group.get("betas")
-    return float(betas[0]) if betas else 0.0
-
-
-def _strict(value: Any) -> Any:
-    """JSON has no NaN or infinity: None in their place (the summary is strict JSON)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_strict(v) for v in value]
-    return value
 
 
 def _give_up_join(reason) -> None:
@@ -2350,53 +2163,3 @@ def _give_up_join(reason) -> None:
     logging.shutdown()
     sys.stderr.flush()
     os._exit(3)
-
-
-def _broadcast_text(text: str, world) -> str:
-    """Broadcast a short text from rank 0: a length, then the bytes if any (bounded waits:
-    PeerFailure when a peer dies)."""
-    comm = world.comm
-    if comm.Get_size() == 1:
-        return text
-    payload = text.encode() if comm.Get_rank() == 0 else b""
-    n = np.array([len(payload)], dtype=np.int64)
-    world_mod.wait_request(comm.Ibcast(n, root=0), world.watch, "the plan's broadcast")
-    if n[0] == 0:
-        return ""
-    buf = np.frombuffer(payload, dtype=np.uint8).copy() if comm.Get_rank() == 0 \
-        else np.empty(int(n[0]), dtype=np.uint8)
-    world_mod.wait_request(comm.Ibcast(buf, root=0), world.watch, "the plan's broadcast")
-    return buf.tobytes().decode()
-
-
-def _build_allocator(options: JobOptions, rank: int):
-    """The allocator the options ask for, and the folder joiners find the port in.
-
-    Slurm needs its commands and a job to live in; without them it says why in one line
-    (rank 0) and the job uses the local allocator."""
-    from hpcadapt.elastic.allocator import LocalAllocator
-
-    if flavour().open_mpi:
-        # A grow spawns its joiners from the job (mpirun places them on the nodes it was
-        # given): no companion allocations, whose workers could not connect there.
-        if options.allocator == "slurm" and rank == 0:
-            log.warning("--allocator slurm is not available on Open MPI: a grow spawns its "
-                        "workers within this job's allocation (up to --max-workers)")
-        return LocalAllocator(options.max_workers, launcher=options.launcher), None
-    if options.allocator in ("auto", "slurm"):
-        from hpcadapt.slurm import SlurmAllocator, in_slurm_job, slurm_available
-
-        why = ""
-        if not slurm_available():
-            why = "no Slurm commands (sbatch, squeue, scancel, scontrol) on this machine"
-        elif not in_slurm_job():
-            why = "not inside a Slurm job (SLURM_JOB_ID is not set)"
-        if not why:
-            # The port folder must be visible from the new nodes: the job's working folder.
-            return (SlurmAllocator(None, options.max_workers, partition=options.slurm_partition,
-                                   pending_timeout=options.slurm_pending_timeout,
-                                   mpi=options.slurm_mpi, grow=options.slurm_grow),
-                    os.path.join(os.getcwd(), ".hpcadapt-join"))
-        if options.allocator == "slurm" and rank == 0:
-            log.warning("Slurm allocator unavailable: %s; using the local allocator", why)
-    return LocalAllocator(options.max_workers, launcher=options.launcher), None

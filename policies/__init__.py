@@ -7,6 +7,7 @@ import argparse
 from typing import Dict, List, Type
 
 from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.strategy import Strategy
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .gns_batch import GNSBatchSize
@@ -22,7 +23,7 @@ from .topology_auto import TopologyAuto
 
 __all__ = ["Policy", "Decision", "MetricsSnapshot", "Param", "POLICIES", "register",
            "GNSBatchSize", "Goodput", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "StragglerAsync", "SyncSwitch", "TopologyAuto", "LRRule", "Ramp", "LR_RULES",
-           "add_policy_arguments", "build_policies", "build_lr_rule", "argparse_type"]
+           "add_policy_arguments", "build_policies", "unused_flags", "build_lr_rule", "argparse_type"]
 
 POLICIES: Dict[str, Type[Policy]] = {}
 
@@ -91,3 +92,37 @@ def build_policies(args: argparse.Namespace) -> List[Policy]:
 
 def build_lr_rule(args: argparse.Namespace) -> LRRule:
     return LRRule(args.lr_rule, args.lr_ramp_steps)
+
+
+def unused_flags(args: argparse.Namespace) -> List[str]:
+    """Flags given a value other than their default that nothing will read (they would be
+    silently ignored): a policy's without ``--policy NAME``, the rate rule's without
+    ``--lr-rule``, bounded delay's without that strategy, the slowdown's without
+    ``--slow-rank``. One message per case."""
+    chosen = set(getattr(args, "policy", []) or [])
+    messages = []
+    for name in sorted(POLICIES):
+        if name in chosen:
+            continue
+        given = [f"--{name}-{p.name}" for p in POLICIES[name].params
+                 if getattr(args, f"{name}_{p.name}".replace("-", "_"), p.default) != p.default]
+        if given:
+            messages.append(f"{', '.join(given)} given without --policy {name}: ignored "
+                            f"(add --policy {name} to use it)")
+    if getattr(args, "strategy", "ssgd") != "bounded-delay":  # (sync-switch: its own flags)
+        for flag, default in (("max_delay", Strategy.max_delay),
+                              ("async_round_steps", Strategy.round_steps)):
+            if getattr(args, flag, default) != default:
+                messages.append(f"--{flag.replace('_', '-')} given without --strategy "
+                                f"bounded-delay: ignored")
+    if getattr(args, "slow_rank", None) is None:
+        for flag in ("slow_compute", "slow_comm"):
+            if getattr(args, flag, 1.0) != 1.0:
+                messages.append(f"--{flag.replace('_', '-')} given without --slow-rank: "
+                                f"ignored (name the rank to slow)")
+    rule = getattr(args, "lr_rule", "none")
+    if rule == "none":
+        for p in RULE_PARAMS:
+            if p.name != "lr-rule" and getattr(args, p.name.replace("-", "_"), p.default) != p.default:
+                messages.append(f"--{p.name} given with --lr-rule none: ignored")
+    return messages

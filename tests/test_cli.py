@@ -118,9 +118,12 @@ def test_an_unknown_flag_on_two_ranks_is_named_once_with_where_the_flags_are(pro
 
 def _refusal(flags):
     from hpcadapt.args import refuse_inconsistent
-    from hpcadapt.job import JobOptions
+    from hpcadapt.base.options import JobOptions
+    from hpcadapt.policies import build_policies
 
-    return refuse_inconsistent(JobOptions.from_args(build_parser().parse_args(flags)))
+    args = build_parser().parse_args(flags)
+    policies = build_policies(args) if args.policy else []
+    return refuse_inconsistent(JobOptions.from_args(args, policies=policies))
 
 
 @pytest.mark.parametrize("flags,words", [

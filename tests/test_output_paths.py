@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT, run_mpi
-from hpcadapt.job import _unwritable
+from hpcadapt.base.paths import unwritable as _unwritable
 
 SCRIPTS = ROOT / "tests" / "scripts"
 

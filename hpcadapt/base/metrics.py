@@ -14,7 +14,7 @@ from typing import IO, Any, Dict, List, Mapping, Optional
 from hpcadapt.base.errors import ConfigurationError
 
 __all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "MetricsSink",
-           "user_metrics", "RESERVED_EPOCH_KEYS"]
+           "user_metrics", "RESERVED_EPOCH_KEYS", "json_safe"]
 
 
 @dataclass(frozen=True)
@@ -125,14 +125,14 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """JSON has no NaN or infinity: write them as null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -168,7 +168,7 @@ class MetricsSink:
         obj = asdict(record) if hasattr(record, "__dataclass_fields__") else dict(record)
         obj["time_s"] = round(time.perf_counter() - self._t0, 6)
         obj["unix_time"] = round(time.time(), 3)  # to line up with scheduler events
-        self._file.write(json.dumps(_clean(obj), sort_keys=True) + "\n")
+        self._file.write(json.dumps(json_safe(obj), sort_keys=True) + "\n")
 
     @classmethod
     def take_over(cls, path: Optional[str]) -> "MetricsSink":

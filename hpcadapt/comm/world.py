@@ -444,6 +444,19 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+class CommView:
+    """The little of a World that the broadcasts use (``comm``, ``rank``, ``size``,
+    ``version``, ``watch``), for another communicator: a part of the world, or the bridge
+    between rank 0 and one joiner."""
+
+    def __init__(self, comm, version: int, watch: "PeerWatch"):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.version = version
+        self.watch = watch
+
+
 class PeerWatch:
     """How long a wait on peers may last, and how to tell that a peer is dead.
 

@@ -51,7 +51,7 @@ from mpi4py import MPI  # noqa: E402
 
 from hpcadapt.elastic.allocator import Allocator, Worker
 from hpcadapt.base.config import JOIN_DIR_VARIABLE, SPARE_OF_VARIABLE, SPAWNED_VARIABLE
-from hpcadapt.base.errors import AllocationError, MembershipError
+from hpcadapt.base.errors import AllocationError, ConfigurationError, MembershipError
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.comm.world import PeerFailure as PeerFailureType
 from hpcadapt.comm.world import ABANDONED, PeerWatch, World, wait_request
@@ -1022,3 +1022,19 @@ def _bcast_flag(comm: MPI.Intracomm, flag: bool, watch) -> bool:
     buf = np.array([int(flag)], dtype=np.int64)
     wait_request(comm.Ibcast(buf, root=0), watch, "a grow's start")
     return bool(buf[0])
+
+
+def joiner_argv() -> List[str]:
+    """How this process was started (``-m module`` or a script, with its arguments): a
+    joining worker runs the same, so it builds the same model and data."""
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        name = spec.name[:-len(".__main__")] if spec.name.endswith(".__main__") else spec.name
+        return ["-m", name] + sys.argv[1:]
+    if not sys.argv or sys.argv[0] in ("", "-c", "-"):
+        raise ConfigurationError("a job that may grow must run from a script or a module "
+                                 "(python script.py or python -m module), not python -c or "
+                                 "stdin: joining workers re-run it")
+    return [os.path.abspath(sys.argv[0])] + sys.argv[1:]

@@ -27,7 +27,6 @@ step's gradient norms reach the host only on monitored steps.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -42,11 +41,12 @@ from hpcadapt.comm.collectives import Communicator, Handle, MPICommunicator, Red
 from hpcadapt.parallel.dataplane import DataPlane
 from hpcadapt.base.errors import CommunicationError, ConfigurationError
 from hpcadapt.comm.fusion import Bucket, plan_buckets
+from hpcadapt.comm.tell import root_tells
 from hpcadapt.comm.world import World, wait_request, world as current_world
 from hpcadapt.base.strategy import Strategy
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "broadcast_object_state", "GradientStats", "BufferBroadcast"]
+           "GradientStats", "BufferBroadcast"]
 
 log = logging.getLogger(__name__)
 
@@ -718,32 +718,7 @@ def broadcast_parameters(tensors: Sequence[torch.Tensor], *, root: int = 0,
     """Overwrite ``tensors`` (parameters, buffers) on every rank with root's values."""
     w = world if world is not None else current_world()
     tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for t in tensors]
-    _pack_broadcast(tensors, root, w.comm, bucket_bytes, getattr(w, "watch", None))
-
-
-def broadcast_object_state(state: Optional[dict], *, root: int = 0,
-                           world: Optional[World] = None) -> dict:
-    """Broadcast a dict of tensors and plain values from root, as ``torch.save`` bytes.
-
-    Receivers load with ``weights_only=True``, so nothing but tensors and plain
-    containers can be reconstructed: no arbitrary pickle crosses the wire."""
-    w = world if world is not None else current_world()
-    comm = w.comm
-    if comm.Get_rank() == root:
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
-        n = np.array([data.size], dtype=np.int64)
-    else:
-        n = np.zeros(1, dtype=np.int64)
-    watch = getattr(w, "watch", None)
-    _bcast(comm, n, root, watch)
-    if comm.Get_rank() != root:
-        data = np.empty(int(n[0]), dtype=np.uint8)
-    _bcast(comm, data, root, watch)
-    if comm.Get_rank() == root:
-        return state
-    return torch.load(io.BytesIO(data.tobytes()), weights_only=True)
+    _pack_broadcast(tensors, root, w.comm, bucket_bytes, w.watch)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, *, root: int = 0,
@@ -767,8 +742,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, *, root: int = 0
             return type(obj)(strip(v) for v in obj)
         return obj
 
-    skeleton = broadcast_object_state(strip(optimizer.state_dict()) if is_root else None,
-                                      root=root, world=w)
+    skeleton = root_tells(strip(optimizer.state_dict()) if is_root else None, w, root=root,
+                          what="the optimizer state's broadcast")
     if not is_root:
         def build(obj):
             if isinstance(obj, list) and len(obj) == 4 and obj[0] == "__tensor__":
@@ -782,6 +757,6 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, *, root: int = 0
             return obj
         state = build(skeleton)
     if tensors:
-        _pack_broadcast(tensors, root, w.comm, 16 * 1024 * 1024, getattr(w, "watch", None))
+        _pack_broadcast(tensors, root, w.comm, 16 * 1024 * 1024, w.watch)
     if not is_root:
         optimizer.load_state_dict(state)

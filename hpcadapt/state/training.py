@@ -195,11 +195,11 @@ class TrainingState:
     def broadcast(self, view, *, is_root: bool, root: int = 0) -> int:
         """Make every rank of ``view`` (a communicator view) hold the state of rank
         ``root`` (``is_root`` on that one); returns the root's cluster version."""
-        from hpcadapt.parallel.optimizer import (broadcast_object_state, broadcast_optimizer_state,
-                               broadcast_parameters)
+        from hpcadapt.comm.tell import root_tells
+        from hpcadapt.parallel.optimizer import broadcast_optimizer_state, broadcast_parameters
 
-        meta = broadcast_object_state(self.meta(view.version) if is_root else None,
-                                      root=root, world=view)
+        meta = root_tells(self.meta(view.version) if is_root else None, view, root=root,
+                          what="the training state's broadcast")
         if not is_root:
             self.load_meta(meta)
         broadcast_parameters(list(self.model.parameters()) + list(self.model.buffers()),
@@ -417,3 +417,33 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     if not isinstance(blob, dict) or not {"meta", "model", "optimizer"} <= set(blob):
         raise ValueError("its payload is not a training state")
     return blob
+
+
+def checkpoint_step(path: str) -> Optional[int]:
+    """The step a readable checkpoint at ``path`` holds, or None."""
+    if not os.path.exists(path):
+        return None
+    try:
+        return int(read_checkpoint(path)["meta"]["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """What the optimizer itself holds (not hpcadapt's reference values): the first param
+    group's ``lr``, ``momentum`` and ``betas`` (None where it has no such setting), and
+    every group's rate under ``lr_groups`` when they differ (else None)."""
+    groups = optimizer.param_groups
+    first = groups[0]
+    rates = [float(g["lr"]) for g in groups]
+    return {"lr": rates[0],
+            "momentum": float(first["momentum"]) if "momentum" in first else None,
+            "betas": [float(b) for b in first["betas"]] if "betas" in first else None,
+            "lr_groups": rates if len(set(rates)) > 1 else None}
+
+
+def momentum_of(group: Mapping[str, Any]) -> float:
+    if "momentum" in group:
+        return float(group["momentum"])
+    betas = group.get("betas")
+    return float(betas[0]) if betas else 0.0
