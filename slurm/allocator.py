@@ -257,6 +257,10 @@ class SlurmAllocator:
         log.info("%d worker(s) left; their companion jobs end as they exit", count)
         self._wake.set()
 
+    def reap(self) -> int:
+        """Nothing to collect here: companion jobs are Slurm's, not this process's children."""
+        return 0
+
     def close(self, wait_s: float = 30.0) -> None:
         """Cancel companions still pending; give running ones (workers finishing with us)
         ``wait_s`` to end, then cancel them."""

@@ -1,6 +1,6 @@
 """A short soak: about 25 random events (scheduled grows and shrinks, SIGKILLs of joined
 workers with replacement, SIGUSR1 stops with a relaunch that resumes) in one job, driven by
-benchmarks/soak.py with a fixed seed. Every wait in the driver is for an event the job
+tests/drivers/soak.py with a fixed seed. Every wait in the driver is for an event the job
 reports, bounded by a deadline; nothing here asserts on timings.
 
 Checked: no hang, exit 75 at each stop and 0 at the stop file, every failure recovered,
@@ -20,7 +20,7 @@ from conftest import ROOT, reap_on_teardown
 
 pytestmark = pytest.mark.slow
 
-SOAK = ROOT / "benchmarks" / "soak.py"
+SOAK = ROOT / "tests" / "drivers" / "soak.py"
 EVENTS = 16
 SEED = 3
 

@@ -14,7 +14,9 @@ from typing import IO, Any, Dict, List, Mapping, Optional
 from hpcadapt.base.errors import ConfigurationError
 
 __all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "MetricsSink",
-           "user_metrics", "RESERVED_EPOCH_KEYS", "json_safe"]
+           "TopologyRecord", "StrategyRecord", "StopRecord", "ResumeRecord", "FailureRecord",
+           "RecoveryRecord", "BoundedDelayRecord", "user_metrics", "RESERVED_EPOCH_KEYS",
+           "json_safe"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,131 @@ class ResizeRecord:
     replicas_identical: Optional[bool] = None
     pids: Optional[List[int]] = None   # of the new world's ranks, in rank order
     event: str = "resize"
+
+
+def _record_dict(record: Any) -> Dict[str, Any]:
+    """A record's fields as the file's keys: a trailing underscore names a key that is a
+    Python keyword (``from_`` is written ``from``)."""
+    return {k[:-1] if k.endswith("_") else k: v for k, v in asdict(record).items()}
+
+
+@dataclass(frozen=True)
+class TopologyRecord:
+    """The allreduce topology switched (a policy's plan or ``job.switch_topology``)."""
+    step: int
+    epoch: int
+    from_: str
+    to: str
+    reason: str
+    previous_cluster_version: int
+    cluster_version: int
+    event: str = "topology"
+
+
+@dataclass(frozen=True)
+class StrategyRecord:
+    """The synchronisation strategy switched; ``replicas_identical`` when it was checked."""
+    step: int
+    epoch: int
+    from_: Dict[str, Any]
+    to: Dict[str, Any]
+    reason: str
+    previous_cluster_version: int
+    cluster_version: int
+    switch_s: float
+    replicas_identical: Optional[bool]
+    event: str = "strategy"
+
+
+@dataclass(frozen=True)
+class StopRecord:
+    """Training stopped (a signal, divergence, a peer's failure) and whether it saved."""
+    step: int
+    epoch: int
+    world_size: int
+    signal: str
+    saved: bool
+    checkpoint: Optional[str]
+    requeue: bool
+    cluster_version: int
+    event: str = "stop"
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    """A job resumed from a checkpoint written at ``saved_world_size`` workers."""
+    step: int
+    epoch: int
+    world_size: int
+    saved_world_size: int
+    checkpoint: str
+    cluster_version: int
+    event: str = "resume"
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """A peer's failure that ends the job (state saved, exit 75)."""
+    rank: int
+    cause: str
+    detail: str
+    step: int
+    epoch: int
+    world_size: int
+    detected_unix: float
+    waited_s: float
+    cluster_version: int
+    event: str = "failure"
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """A peer's failure recovered from in place: who died, the step given up and the one
+    training goes on from, and how long each phase of the recovery took."""
+    dead: List[int]
+    dead_pids: List[int]
+    rank: int
+    cause: str
+    detail: str
+    step: int
+    step_in_flight: int
+    epoch: int
+    old_size: int
+    world_size: int
+    detected_unix: float
+    recovered_unix: float
+    waited_s: float
+    recovery_s: float
+    cluster_version: int
+    previous_cluster_version: int
+    agree_s: float
+    form_world_s: float
+    survey_s: float
+    state_broadcast_s: Optional[float]
+    recovered: bool = True
+    event: str = "failure"
+
+
+@dataclass(frozen=True)
+class BoundedDelayRecord:
+    """One bounded-delay round: the updates applied and dropped, and their delays."""
+    step: int
+    epoch: int
+    first_step: int
+    steps: int
+    max_delay: int
+    world_size: int
+    samples: int
+    applied_updates: int
+    dropped_updates: int
+    nonfinite_updates: int
+    applications: int
+    delays_applied: Dict[str, int]
+    delays_dropped: Dict[str, int]
+    updates_per_worker: Dict[str, int]
+    pulls: int
+    round_s: float
+    event: str = "bounded-delay"
 
 
 # Names a user metric cannot take: the epoch record's own fields and what the sink adds.
@@ -165,7 +292,7 @@ class MetricsSink:
     def write(self, record: Any) -> None:
         if self._file is None:
             return
-        obj = asdict(record) if hasattr(record, "__dataclass_fields__") else dict(record)
+        obj = _record_dict(record) if hasattr(record, "__dataclass_fields__") else dict(record)
         obj["time_s"] = round(time.perf_counter() - self._t0, 6)
         obj["unix_time"] = round(time.time(), 3)  # to line up with scheduler events
         self._file.write(json.dumps(json_safe(obj), sort_keys=True) + "\n")

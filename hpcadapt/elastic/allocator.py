@@ -51,6 +51,10 @@ class Allocator(Protocol):
     def released(self, count: int) -> None:
         """``count`` workers have left; their resources may go back."""
 
+    def reap(self) -> int:
+        """Collect what ended of the workers it started (no zombies); called at every step
+        boundary, so cheap. Returns how many were collected."""
+
     def close(self) -> None:
         """Stop whatever the allocator still runs."""
 

@@ -1,6 +1,6 @@
 """soak: many random events in one elastic job, with no hang, no leak and no lost sample.
 
-    python benchmarks/soak.py --events 200 [--seed S] [--json PATH]
+    python tests/drivers/soak.py --events 200 [--seed S] [--json PATH]
 
 One training job (`python -m hpcadapt.train`, digits, under `mpiexec -n 2`, up to 4 workers,
 `--replace-failed`, `--check-replicas`, `--sample-log`) goes through a sequence of events drawn
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parent.parent  # the repository
 KINDS = ("resize", "kill", "stop")
 EXIT_REQUEUE = 75
 

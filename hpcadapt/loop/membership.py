@@ -1,0 +1,489 @@
+"""The job's side of membership changes: resizes asked for, shrinks, grows polled and completed at a boundary, a joiner's join, a leaver's exit.
+
+A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
+``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from hpcadapt.base import faults
+from hpcadapt.base.errors import ConfigurationError, MembershipError
+from hpcadapt.base.metrics import ResizeRecord
+from hpcadapt.comm import world as world_mod
+from hpcadapt.comm.mpiflavour import flavour
+from hpcadapt.comm.world import CommView
+
+__all__ = ["MembershipChanges"]
+
+log = logging.getLogger("hpcadapt.job")
+
+class MembershipChanges:
+    """The job's side of membership changes: resizes asked for, shrinks, grows polled and completed at a boundary, a joiner's join, a leaver's exit."""
+
+    def _setup_elastic(self) -> None:
+        from hpcadapt.elastic.allocator import build_allocator
+        from hpcadapt.elastic.membership import ElasticController, joiner_argv
+
+        o = self.options
+        if o.max_workers < self.world.size and not self.joining:
+            raise ConfigurationError(f"--max-workers {o.max_workers} is below the "
+                                     f"{self.world.size} workers already running")
+        if o.min_workers > o.max_workers:
+            raise ConfigurationError(f"--min-workers {o.min_workers} is above "
+                                     f"--max-workers {o.max_workers}")
+        if o.warm_spares < 0:
+            raise ConfigurationError(f"--warm-spares {o.warm_spares}: give 0 or more")
+        if o.initial_workers is not None and o.initial_workers > o.max_workers:
+            raise ConfigurationError(f"--initial-workers {o.initial_workers} is above "
+                                     f"--max-workers {o.max_workers}")
+        if o.min_workers > max(self.world.size, o.initial_workers or 0) and not self.joining:
+            raise ConfigurationError(f"--min-workers {o.min_workers} is above the "
+                                     f"{self.world.size} workers running; start at least "
+                                     f"{o.min_workers}")
+        self.allocator, join_root = build_allocator(o, self.world.rank)
+        self.elastic = ElasticController(self.world, self.allocator, joiner_argv(),
+                                         join_timeout=o.join_timeout,
+                                         min_workers=o.min_workers, join_root=join_root)
+        # Rank 0 gives up a joiner that does not connect well before the others' bounded
+        # waits for its word (--peer-timeout) expire: the grow is then abandoned and training
+        # goes on, instead of the job ending (the 200-event soak met exactly that race).
+        self.elastic.accept_timeout = o.peer_timeout / 3
+        self.elastic.warm_spares = 0 if self.joining else o.warm_spares
+        self.elastic.spare_pool_used = bool(o.warm_spares) and self.elastic.spawns
+
+    def _start_size(self) -> tuple:
+        """(the size to train at from the first step, why): --initial-workers, or on a
+        resume the size the checkpoint was written at (--resume-size saved), capped by
+        --max-workers; each case that does not grow back says so in one line."""
+        o = self.options
+        want = o.initial_workers or 0
+        saved = self.state.world_size if self._resumed else 0
+        if saved <= max(want, self.world.size):
+            return want, "initial workers"
+        now = max(want, self.world.size)
+        if o.resume_size == "launch":
+            self._say_once("the checkpoint was written by %d workers; --resume-size launch: "
+                           "training goes on at %d", saved, now)
+            return want, "initial workers"
+        if self.elastic is None:
+            self._say_once("the checkpoint was written by %d workers; without --max-workers "
+                           "the job cannot grow back: training goes on at %d (start with "
+                           "--max-workers %d, or -n %d)", saved, now, saved, saved)
+            return want, "initial workers"
+        reach = min(saved, o.max_workers)
+        self._say_once("the checkpoint was written by %d workers: growing back to %d before "
+                       "the first step%s (--resume-size launch keeps the launch's %d)", saved,
+                       reach, f" (--max-workers {o.max_workers})" if reach < saved else "",
+                       self.world.size)
+        return reach, f"resuming at the checkpoint's {saved} workers"
+
+    def _start_initial_workers(self, count: int, reason: str = "initial workers") -> None:
+        """--initial-workers: the workers the launch lacks join before the first step, each
+        its own launch (a dead one is then recovered from; a rank of a shared launch is not).
+        A grow that fails or times out leaves the job training at the size it has."""
+        if self.elastic is None:
+            raise ConfigurationError("--initial-workers needs --max-workers (the allocator "
+                                     "that starts them)")
+        self.request_resize(count, reason)
+        while self.elastic.growing:
+            self._poll_elastic()
+            time.sleep(0.02)
+
+    def request_resize(self, new_size: int, reason: str = "user request", *,
+                       remove: Optional[List[int]] = None) -> None:
+        """Change the number of workers; call on every rank at the same point between steps
+        (policies do it through a plan). A shrink happens now; a grow starts now and
+        completes at a later step boundary, when the new workers are ready. Requests that
+        cannot be met are clipped or refused with a logged reason; training goes on."""
+        if self.elastic is None:
+            if self.world.rank == 0:
+                log.warning("resize to %d workers refused (%s): no allocator (start with "
+                            "--max-workers); training goes on with %d", new_size, reason,
+                            self.world.size)
+            return
+        target = self.elastic.clip(new_size, reason)
+        if target is None:
+            return
+        if target < self.world.size:
+            self._shrink(target, reason, remove)
+        else:
+            failed = self.elastic.start_grow(target, reason)
+            if failed is not None:
+                self._record_resize(failed)
+
+    def _shrink(self, target: int, reason: str, remove: Optional[List[int]]) -> None:
+        from hpcadapt.elastic.membership import ResizeOutcome, split_leavers
+
+        old = self.world.size
+        leavers = [r for r in (remove or []) if 0 < r < old][: old - target]
+        for r in range(old - 1, 0, -1):
+            if len(leavers) >= old - target:
+                break
+            if r not in leavers:
+                leavers.append(r)
+        t0 = time.perf_counter()
+        new = split_leavers(self.world.comm, leavers)
+        if new is None:
+            self.left = True
+            log.info("leaving the job (%s)", reason)
+            return
+        self.world.replace(new)
+        self.elastic.allocator.released(old - target)
+        self._after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
+
+    def _poll_elastic(self) -> None:
+        from hpcadapt.elastic.membership import ABANDON, JOIN, JoinAborted, ResizeOutcome
+
+        if self.elastic is None:
+            return
+        self.elastic.keep_spares()  # rank 0, not while a grow is pending
+        if not self.elastic.growing:
+            return
+        try:
+            status, joiners, detail = self.elastic.poll_grow()
+        except world_mod.FAILURES as exc:
+            self._recover(exc)  # or ends the job
+            return
+        if status == ABANDON:
+            self._record_resize(self.elastic.abandon(detail))
+        elif status == JOIN:
+            t0 = time.perf_counter()
+            decided = self.elastic.decided_at()
+            reason = self.elastic.pending.reason if self.elastic.pending else ""
+            old, version = self.world.size, self.world.cluster_version
+            workers = list(self.elastic.pending.workers) if self.elastic.pending else []
+            previous, merged = self.world.comm, None
+            try:
+                # What cannot be polled between the joiner's first word and the
+                # confirmation (Create_intercomm, Merge) runs under a watchdog.
+                with self._join_watchdog(workers):
+                    # Rank 0 sends each joiner the state over its own bridge before the
+                    # whole job takes it in: a joiner dying until then is abandoned.
+                    faults.point("join", self.state.step)
+                    merged = self.elastic.join(joiners, self._send_state_over_bridge)
+                    self.world.replace(merged, keep_old=True)
+                    if self.elastic.spawns:  # spawned joiners take the state now
+                        faults.point("state", self.state.step)
+                        world_mod.agree_all_alive(self.world.comm)  # the joiners too
+                        self._sync_state(receiving=False)
+                    self._confirm_join()
+            except JoinAborted as exc:
+                self._record_resize(self.elastic.abandon(str(exc)))
+                return
+            except world_mod.FAILURES as exc:
+                if world_mod.ULFM:
+                    self._recover_during_join(exc, previous, merged, old,
+                                              old + joiners, reason)
+                    return
+                if merged is None:
+                    self._fail(exc)  # a rank of the running job itself failed
+                # A joiner died after it merged: back to the old world, which holds only
+                # the ranks that trained on (their state is untouched); the merged
+                # communicator is left unfreed (freeing it would wait on the dead).
+                self.world.replace(previous, version=version, keep_old=True)
+                self.optimizer._ensure_current()
+                if self.world.rank == 0:
+                    for w in workers:
+                        w.stop()
+                self._record_resize(ResizeOutcome(
+                    old, self.world.size, f"{reason}; abandoned: a joining worker died "
+                    f"while it merged ({exc})", 0.0, False))
+                return
+            if previous != MPI_COMM_NULL():
+                previous.Free()
+            self._after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
+                               decided)
+
+    def _recover_during_join(self, exc: BaseException, previous, merged, old: int,
+                             target: int, reason: str) -> None:
+        """ULFM: a death while the job joins spawned workers. Before the merge the parents
+        agreed that one of them died and let the joiners go: the job recovers on its own.
+        After it, every member of the merged world recovers together, the joiners too
+        (they take the state from a survivor that holds it), so the grow is kept."""
+        from hpcadapt.elastic.membership import ResizeOutcome
+
+        if merged is not None:
+            # Recorded first (by rank 0 while it lives; else the failure's old size says it).
+            self._identical_after_resize = None
+            self._record_resize(ResizeOutcome(old, self.world.size, f"{reason}; merged, then "
+                                              f"a death during the join: the joiners recover "
+                                              f"with the job", 0.0, True))
+            if previous != MPI_COMM_NULL():
+                world_mod.ABANDONED.append(previous)  # may hold the dead: never freed
+        self._recover(exc)
+        if merged is None:
+            self._record_resize(ResizeOutcome(old, target, f"{reason}; abandoned: a rank of "
+                                              f"the job died before the merge", 0.0, False))
+
+    def _join_watchdog(self, workers):
+        """The watchdog around a join's blocking steps: a joining worker whose launcher has
+        exited (rank 0 sees it), a dead peer of the old world, or the --peer-timeout
+        deadline ends the job as a failure does (state saved by rank 0, exit 75)."""
+        old_watch = self.world.watch
+        first_seen: Dict[str, float] = {}
+
+        def check() -> Optional[str]:
+            # A death the join's own bounded waits handle (the pending accept, the first
+            # word, the state transfer) is given a few seconds to be handled there.
+            reasons = [f"a joining worker {w.failed().replace(' during start-up', '')}"
+                       for w in workers if w.failed()]
+            dead = old_watch.dead()
+            if dead:
+                reasons.append(dead[1])
+            now = time.perf_counter()
+            for reason in reasons:
+                if now - first_seen.setdefault(reason, now) > 5.0:
+                    return reason
+            return None
+
+        def expire(reason: str) -> None:
+            self._fail(world_mod.PeerFailure(reason, cause="join"))
+
+        return world_mod.Watchdog(self.options.peer_timeout, "a join", expire, check)
+
+    def _send_state_over_bridge(self, bridge, watch) -> None:
+        """Rank 0, during a join: the state to one joiner over their two-process bridge."""
+        watch.floor = self.options.peer_timeout
+        view = CommView(bridge, self.world.cluster_version + 1, watch)
+        self.state.broadcast(view, is_root=True)
+
+    def _receive_state_over_bridge(self, bridge) -> None:
+        """A joiner: the state from rank 0 over the bridge (bounded by --peer-timeout)."""
+        watch = world_mod.PeerWatch(1, [], blind=True)
+        watch.floor = self.options.peer_timeout
+        view = CommView(bridge, -1, watch)
+        self._joined_version = self.state.broadcast(view, is_root=False)
+
+    def _confirm_join(self) -> None:
+        """Every rank of a grown world, after the state transfer: one bounded allreduce (a
+        ULFM agreement under ULFM) that completes only when every member (the joiners too)
+        is alive and has the state."""
+        if world_mod.ULFM:
+            # The same outcome on every survivor (a death seen by some members only would
+            # leave the others training in a world the first ones recover from).
+            world_mod.agree_all_alive(self.world.comm)
+            return
+        one = np.ones(1, dtype=np.int64)
+        wait = world_mod.wait_request
+        from mpi4py import MPI
+
+        wait(self.world.comm.Iallreduce(MPI.IN_PLACE, one, op=MPI.SUM), self.world.watch,
+             "the join's confirmation")
+
+    def _join(self) -> None:
+        """A worker started for a grow: connect, merge, receive the state."""
+        from hpcadapt.elastic.membership import JoinTicket, ResizeOutcome, join_running_job
+
+        from hpcadapt.elastic.membership import JoinAborted
+
+        if self._spawned_to_join:
+            self._join_spawned()
+            return
+        self._drop_spawn_parent()
+        try:
+            ticket = JoinTicket.claim(self._join_dir)
+            # A warm spare idles here until a grow takes it (the deadline starts after).
+            port = ticket.wait_for_port()
+        except MembershipError as exc:
+            log.info("not joining (%s): this worker exits", exc)
+            logging.shutdown()
+            os._exit(3)
+
+        try:
+            with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
+                                    _give_up_join):
+                self.world.replace(join_running_job(ticket, self._receive_state_over_bridge,
+                                                    port),
+                                   version=self._joined_version)
+                self._confirm_join()
+        except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
+            _give_up_join(exc)
+        self._holds_state = True
+        self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
+        log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
+                 self.state.step)
+
+    def _join_spawned(self) -> None:
+        """A worker the job spawned (Open MPI): ready, merge, receive the state from rank 0.
+        The wait for the job's word lasts as long as the job waits for its joiners."""
+        from hpcadapt.elastic.membership import JoinAborted, ResizeOutcome, join_spawning_job
+
+        wait_s = self.options.join_timeout + self.options.peer_timeout
+        if self._spare_of:
+            # A warm spare waits until a grow takes it (or its rank 0 is gone, or the job
+            # tells it to go); its merge is bounded like a joiner's.
+            wait_s = float("inf")
+        try:
+            # Bounded twice: the wait for the job's word has its deadline, and the watchdog
+            # ends this process when Open MPI's connection set-up blocks (the job is gone).
+            with world_mod.Watchdog(wait_s + 10.0, "waiting for the job's word",
+                                    _give_up_join):
+                merged = join_spawning_job(wait_s, self._spare_of)
+        except MembershipError as exc:
+            # The job gave the grow up, or ended: nothing failed here. This process's exit
+            # is part of the launch's (mpirun's), whose code is the training's: exit 0
+            # through MPI_Finalize (Open MPI counts an exit without it as a failure).
+            log.info("not joining (%s): this worker exits", exc)
+            sys.exit(0)
+        except JoinAborted as exc:
+            # A rank of the job died during the merge: the job recovers without this worker.
+            # It ends through MPI_Finalize with 0 (Open MPI counts an exit without it as a
+            # failure of the launch, whose code is the training's); the line says why.
+            log.error("the join was given up (%s): this worker exits", exc)
+            sys.exit(0)
+        failure = None
+        try:
+            with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
+                                    _give_up_join):
+                self.world.replace(merged)
+                world_mod.agree_all_alive(merged)  # the job's ranks agree on it too
+                self._sync_state(receiving=True)
+                self._confirm_join()
+        except world_mod.FAILURES as exc:
+            if not (world_mod.ULFM and self.world.comm is merged):
+                # The merged world is not this worker's: the job recovers without it. It
+                # ends through MPI_Finalize with 0, so that the launch's exit code stays
+                # the training's (the line says what happened).
+                log.error("the join was given up (%s): this worker exits", exc)
+                sys.exit(0)
+            failure = exc
+        if failure is not None:
+            # A death during the join (ULFM): this worker recovers with the merged world and
+            # takes the state from a survivor that holds it.
+            self._recover(failure)
+            log.info("joined as rank %d of %d at step %d, through the recovery from a death "
+                     "during the join", self.world.rank, self.world.size, self.state.step)
+            return
+        self._holds_state = True
+        self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
+        log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
+                 self.state.step)
+
+    @staticmethod
+    def _drop_spawn_parent() -> None:
+        """A worker started by MPI_Comm_spawn joins through the port; it lets go of its parent."""
+        from mpi4py import MPI
+
+        parent = MPI.Comm.Get_parent()
+        if parent != MPI.COMM_NULL:
+            parent.Disconnect()
+
+    def _sync_state(self, *, receiving: bool = True) -> None:
+        """Broadcast the training state from rank 0 so every replica is identical. Ranks
+        that already hold it (``receiving=False``: the running job's, after a grow) split
+        off and take no part; the broadcast then reaches only the joiners."""
+        from mpi4py import MPI
+
+        rank = self.world.rank
+        part = self.world.comm.Split(0 if (receiving or rank == 0) else MPI.UNDEFINED, rank)
+        if part == MPI.COMM_NULL:
+            return
+        view = CommView(part, self.world.cluster_version, self.world.watch)
+        try:
+            version = self.state.broadcast(view, is_root=rank == 0)
+        finally:
+            part.Free()
+        if rank != 0 and version != self.world.cluster_version:
+            self.world._version = version
+
+    def _after_resize(self, outcome, paused_at: float = float("nan"),
+                      decided_at: float = float("nan")) -> None:
+        """Every rank of the new world: rebuild what depends on the size, record the resize,
+        and queue the policies' ``on_resize`` for the next boundary."""
+        self.optimizer.set_extra_slots(self._control_layout().length)
+        self.optimizer._ensure_current()
+        self._identical_after_resize = None
+        # Under model averaging the replicas differ by design: nothing to compare.
+        if self.options.check_replicas and outcome.ok and self.state.strategy.averages_gradients:
+            identical = self.replicas_identical()
+            if not identical and self.world.rank == 0:
+                log.error("replicas differ after the resize to %d workers", self.world.size)
+            self._identical_after_resize = identical
+        self._prev_local = (0.0, 0.0, 0.0)
+        self._prev_grads = None
+        self.last_times = None
+        now = time.perf_counter()
+        outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
+                          decision_to_first_step_s=now - decided_at)
+        self._record_resize(outcome)
+        # Every rank of the new world queues it (the hook is collective); only rank 0, never
+        # a joiner, decides with the sizes.
+        self._queued_hooks.append(("on_resize", {"old_size": outcome.old_size,
+                                                 "new_size": outcome.new_size}))
+
+    def _record_resize(self, outcome) -> None:
+        st = self.state
+        row = {"old_size": outcome.old_size, "new_size": outcome.new_size, "ok": outcome.ok,
+               "pause_s": outcome.pause_s, "reason": outcome.reason,
+               "decision_to_first_step_s": outcome.decision_to_first_step_s, "step": st.step}
+        self.resizes.append(row)
+        if outcome.old_size < 0:
+            return  # a joiner's view; rank 0 of the running job records the resize
+        self.sink.write(ResizeRecord(step=st.step, epoch=st.epoch, old_size=outcome.old_size,
+                                     new_size=outcome.new_size, reason=outcome.reason,
+                                     pause_s=outcome.pause_s, ok=outcome.ok,
+                                     cluster_version=self.world.cluster_version,
+                                     world_size=self.world.size,
+                                     batch_size=st.hyper.batch_size, lr=st.hyper.lr,
+                                     decision_to_first_step_s=outcome.decision_to_first_step_s,
+                                     replicas_identical=self._identical_after_resize
+                                     if outcome.ok else None,
+                                     pids=list(self.world.pids) if outcome.ok else None))
+        if self.world.rank == 0:
+            level = logging.INFO if outcome.ok else logging.WARNING
+            log.log(level, "resize %d -> %d %s in %.3f s (%s)", outcome.old_size,
+                    outcome.new_size, "done" if outcome.ok else "not done", outcome.pause_s,
+                    outcome.reason)
+
+    def _finish_elastic(self) -> None:
+        """A grow still pending when training ends is abandoned on every rank."""
+        if self.elastic is not None and self.elastic.growing and not self.left:
+            self._record_resize(self.elastic.abandon("training ended first",
+                                                     wait_s=self.options.peer_timeout))
+
+    def _leave(self) -> None:
+        """This rank left the job in a shrink: nothing of it is needed any more."""
+        self._close_loader()
+        self.sink.close()
+        if self._sample_file is not None:
+            self._sample_file.close()
+        world_mod.shutdown()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # A rank that shares its launch leaves through the interpreter's normal exit (MPI
+        # finalised by mpi4py's exit hook) after its siblings reached the end (shutdown
+        # waited for them): ending it with os._exit made mpiexec SIGKILL the others in the
+        # middle of their own exit now and then (exit 9 after a shrink of the first
+        # launch). A rank alone in its launch skips the interpreter's teardown (about 0.7 s
+        # with torch loaded), which gives the node back to Slurm that much sooner.
+        # Open MPI's launcher counts a process that ends without MPI_Finalize as a failure
+        # of the launch (exit 1): there every leaver goes through the normal exit.
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() > 1 or flavour().open_mpi:
+            sys.exit(0)
+        os._exit(0)
+
+
+def MPI_COMM_NULL():
+    from mpi4py import MPI
+
+    return MPI.COMM_NULL
+
+
+def _give_up_join(reason) -> None:
+    """A joining worker whose join failed (or whose watchdog expired, from its thread): one
+    line, then exit 3 at once (a blocked MPI call cannot be left any other way)."""
+    log.error("the join was given up (%s): this worker exits", reason)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(3)

@@ -1,0 +1,215 @@
+"""How training stops and resumes: a stop signal or file, divergence, checkpoints (periodic and at a stop), the resume, and the end of the job (summary, exit code).
+
+A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
+``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
+
+from __future__ import annotations
+
+import logging
+
+import json
+import os
+import sys
+from typing import Any, Dict
+
+
+from hpcadapt.base import agent_files as agent
+from hpcadapt.base.errors import ConfigurationError, on_every_rank
+from hpcadapt.base.metrics import json_safe
+from hpcadapt.base.preemption import EXIT_REQUEUE
+from hpcadapt.comm import world as world_mod
+from hpcadapt.comm.tell import root_tells
+from hpcadapt.state.training import checkpoint_step, optimizer_settings
+
+__all__ = ["StopsAndCheckpoints"]
+
+log = logging.getLogger("hpcadapt.job")
+
+class StopsAndCheckpoints:
+    """How training stops and resumes: a stop signal or file, divergence, checkpoints (periodic and at a stop), the resume, and the end of the job (summary, exit code)."""
+
+    def _resume(self, path: str) -> bool:
+        """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
+        error, found = "", False
+        if self.world.rank == 0 and os.path.exists(path):
+            found = True
+            try:
+                self.state.load(path, identity=self.identity)
+            except (OSError, ValueError, KeyError, RuntimeError, TypeError,
+                    ConfigurationError) as exc:
+                error = (f"cannot resume from {path}: {exc}; remove it or pass another "
+                         f"--checkpoint")
+        verdict = root_tells({"error": error, "found": found} if self.world.rank == 0 else None,
+                             self.world, what="the resume's verdict")
+        if verdict["error"]:
+            raise on_every_rank(ConfigurationError(verdict["error"]))
+        if not verdict["found"]:
+            return False
+        self._sync_state()
+        self._resumed_at = self.state.step
+        if self.world.rank == 0:
+            log.info("resumed from %s at epoch %d, step %d", path, self.state.epoch,
+                     self.state.step)
+            self.sink.write({"event": "resume", "step": self.state.step,
+                             "epoch": self.state.epoch, "world_size": self.world.size,
+                             "saved_world_size": self.state.world_size, "checkpoint": path,
+                             "cluster_version": self.world.cluster_version})
+            if self.state.strategy != self._initial_strategy:
+                log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
+                            "the run had switched; a policy may switch again)",
+                            self.state.strategy.describe(), self._initial_strategy.describe())
+            if self.state.topology != self.options.topology:
+                log.warning("resumed with the checkpoint's allreduce topology %s (the flags "
+                            "say %s: the run had switched)", self.state.topology,
+                            self.options.topology)
+        return True
+
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0: write the whole training state to ``path`` atomically."""
+        self.state.world_size = self.world.size
+        self.state.save(path, cluster_version=self.world.cluster_version,
+                        identity=self.identity)
+
+    def _stop_for_signal(self) -> None:
+        """Every rank, at the boundary where a stop signal became known: rank 0 saves."""
+        name = (self.stop_signals.received if self.stop_signals and self.stop_signals.received
+                else "a stop signal on another rank")
+        self.stopped = name
+        saved = None
+        if self.world.rank == 0:
+            saved = self._save_for_stop(name)
+            self._record_stop(name, saved, requeue=saved)
+        if not root_tells(saved, self.world, what="the stop's verdict"):
+            self.stopped = f"{name}; state NOT saved"
+
+    def _record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
+        """Rank 0: the stop's line in the metrics (plots mark it)."""
+        st = self.state
+        self.sink.write({"event": "stop", "step": st.step, "epoch": st.epoch,
+                         "world_size": self.world.size, "signal": why, "saved": saved,
+                         "checkpoint": self.options.checkpoint if saved else None,
+                         "requeue": requeue, "cluster_version": self.world.cluster_version})
+
+    def _stop_for_divergence(self) -> None:
+        """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps (updates
+        under bounded delay). The state in memory is not the last good one: the update
+        before the run (a finite but exploding loss) was applied, so it is not saved; the
+        last checkpoint on disk (a --checkpoint-every save or an earlier stop's) is kept
+        and named. The job ends with exit code 1, not requeued (it would diverge again)."""
+        st, n = self.state, self._nonfinite_run
+        self._requeue = False
+        unit = "updates" if st.strategy.asynchronous and self.world.size > 1 else "steps"
+        name = f"{n} {unit} with a non-finite loss"
+        self.stopped = f"{name}; state NOT saved"
+        if self.world.rank != 0:
+            return
+        log.error("the loss was not finite for %d %s in a row (up to step %d, learning "
+                  "rate %.4g, batch %d): training stops. Lower the learning rate (--lr), "
+                  "clip gradients, or raise --max-nonfinite-steps", n, unit, st.step,
+                  st.hyper.lr, st.hyper.batch_size)
+        self._record_stop(name, False, requeue=False)
+        path = self.options.checkpoint
+        kept = checkpoint_step(path) if path else None
+        if kept is not None:
+            log.error("the state in memory holds the update that diverged and is not saved; "
+                      "%s keeps the checkpoint of step %d", path, kept)
+        else:
+            log.error("the state in memory holds the update that diverged and is not saved; "
+                      "no earlier checkpoint exists%s", "" if path else " (no --checkpoint)")
+
+    def _save_periodically(self) -> None:
+        """Rank 0, --checkpoint-every: a failed write is logged and training goes on."""
+        try:
+            self.save_checkpoint(self.options.checkpoint)
+        except (OSError, RuntimeError) as exc:
+            log.error("step %d: the periodic checkpoint could not be written to %s: %s; "
+                      "training goes on, the previous checkpoint stays", self.state.step,
+                      self.options.checkpoint, exc)
+
+    def _save_for_stop(self, name: str) -> bool:
+        st = self.state
+        if self._resumed_at is not None and st.step - self._resumed_at < 20:
+            log.warning("stopped again %d step(s) after resuming: the job gets its stop "
+                        "signal right after it starts. Slurm sends --signal=SIG@T up to "
+                        "60 s before T; make the time limit (--time) well longer than "
+                        "T + 60 s", st.step - self._resumed_at)
+        path = self.options.checkpoint
+        if not path:
+            log.warning("stopped on %s at step %d; no --checkpoint given, state not saved "
+                        "(pass --checkpoint PATH to save it and resume)", name, st.step)
+            return False
+        try:
+            self.save_checkpoint(path)
+        except (OSError, RuntimeError) as exc:
+            log.error("stopped on %s at step %d, but the state could not be saved to %s: %s; "
+                      "the job must not be requeued from it (free space, or pass another "
+                      "--checkpoint)", name, st.step, path, exc)
+            return False
+        log.warning("stopped on %s at epoch %d, step %d; state saved to %s",
+                    name, st.epoch, st.step, path)
+        return True
+
+    def _last_lr(self) -> float:
+        """The optimizer's rate at its last update (its rate now before the first)."""
+        used = self._used_settings or optimizer_settings(self.optimizer.optimizer)
+        return used["lr"]
+
+    def summary(self) -> Dict[str, Any]:
+        st = self._require_setup()
+        return json_safe({"final_test_accuracy": st.last_accuracy, "steps": st.step,
+                        "epochs": st.epoch, "world_size": self.world.size,
+                        "batch_size": st.hyper.batch_size, "lr": self._last_lr(),
+                        "left": self.left, "cluster_version": self.world.cluster_version,
+                        "resizes": self.resizes, "stopped": self.stopped,
+                        "strategy": st.strategy.name, "model_digest": self.model_digest(),
+                        "user_metrics": dict(self.user_metrics),
+                        **({"bounded_delay": self._async_totals}
+                           if self._async_totals else {})})
+
+    def finish(self, *, exit: bool = True) -> Dict[str, Any]:
+        """End the job on every rank: rank 0 prints the summary as one line of JSON (and
+        writes ``--summary-json``), the checkpoint of a finished training is removed, MPI
+        is released. After a stop signal it exits with 75 (the job script requeues) or 1
+        when the state could not be saved, unless ``exit=False`` (then see ``exit_code``)."""
+        summary = self.summary()
+        self._close_loader()
+        if self.world.rank == 0:
+            if self.options.progress:
+                sys.stderr.write("\n")
+            print(json.dumps(summary), flush=True)
+            if self.options.summary_json:
+                with open(self.options.summary_json, "w", encoding="utf-8") as f:
+                    json.dump(summary, f)
+        self.sink.close()
+        if self._sample_file is not None:
+            self._sample_file.close()
+        if self.elastic is not None:
+            self.elastic.stop_spares()
+        if self.allocator is not None:
+            self.allocator.close()
+        self.exit_code = 0
+        if self.stopped:
+            # Requeue only from a saved state (rank 0 saves; the others follow its word).
+            self.exit_code = EXIT_REQUEUE if self._requeue and \
+                not self.stopped.endswith("NOT saved") else 1
+        elif self.options.checkpoint and self.world.rank == 0 and not self.joining \
+                and os.path.exists(self.options.checkpoint):
+            os.unlink(self.options.checkpoint)
+            log.info("training finished; removed the preemption checkpoint %s",
+                     self.options.checkpoint)
+        if self.world.rank == 0:
+            agent.record_exit_code(self.exit_code)
+        world_mod.shutdown()
+        if exit and self.exit_code:
+            sys.exit(self.exit_code)
+        return summary
+
+    def _close_loader(self) -> None:
+        """The loader's worker processes end now, cleanly (their temporary folders go with
+        them), not when the interpreter kills them on its way out."""
+        loader = getattr(self, "loader", None)
+        if loader is not None:
+            try:
+                loader.close()
+            except Exception as exc:  # best effort on the way out
+                log.warning("the data loader's workers did not stop cleanly: %s", exc)
