@@ -272,7 +272,7 @@ class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHand
                                    GradientNoiseScale(o.monitor_ema), self.extra, self.engine)
         self.state.strategy = self._initial_strategy
         self.state.topology = o.topology
-        loader._job = self
+        loader.bind(self._batches)
         if self.joining:
             self._join()
         else:

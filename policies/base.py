@@ -107,7 +107,7 @@ class Decision:
 
             Strategy.from_dict(self.strategy)
         if self.topology is not None:
-            from hpcadapt.comm.topology import parse_topology
+            from hpcadapt.base.topology_names import parse_topology
 
             parse_topology(self.topology)
         if self.remove_rank is not None and (self.world_size is None or self.remove_rank < 1):

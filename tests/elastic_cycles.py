@@ -14,8 +14,8 @@ from mpi4py import MPI
 
 from hpcadapt.base import config
 from hpcadapt.elastic.allocator import LocalAllocator
-from hpcadapt.elastic.membership import (ABANDON, JOIN, ElasticController, JoinTicket, join_running_job,
-                              split_leavers)
+from hpcadapt.elastic.joins import JoinTicket, join_running_job
+from hpcadapt.elastic.membership import ABANDON, JOIN, ElasticController, split_leavers
 from hpcadapt.comm.world import World
 
 

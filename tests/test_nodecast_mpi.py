@@ -7,7 +7,7 @@ import torch
 
 import hpcadapt
 from hpcadapt.comm import nodecast
-from hpcadapt.parallel.optimizer import _pack_broadcast
+from hpcadapt.parallel.broadcasts import pack_broadcast
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -33,7 +33,7 @@ def test_every_rank_ends_with_roots_tensors(w, transport, monkeypatch):
     root = w.size - 1
     mine = _tensors(w.rank)
     expected = _tensors(root)
-    _pack_broadcast(mine, root, w.comm, 1 << 20, w.watch)
+    pack_broadcast(mine, root, w.comm, 1 << 20, w.watch)
     for got, want in zip(mine, expected):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
@@ -57,7 +57,7 @@ def test_ranks_configured_differently_all_fall_back_together(w, monkeypatch):
     into the confirmation), the broadcast still arrives over MPI."""
     monkeypatch.setenv("HPCADAPT_STATE_TRANSPORT", "mpi" if w.rank == 1 else "auto")
     mine = [torch.full((600_000,), float(w.rank))]
-    _pack_broadcast(mine, 0, w.comm, 1 << 20, w.watch)
+    pack_broadcast(mine, 0, w.comm, 1 << 20, w.watch)
     assert torch.equal(mine[0], torch.zeros(600_000))
 
 
@@ -69,5 +69,5 @@ def test_a_root_that_cannot_make_the_file_sends_over_mpi(w, monkeypatch):
     bufs = [np.full(1 << 21, w.rank, dtype=np.uint8)]
     assert nodecast.broadcast_buffers(w.comm, bufs, 0, w.watch) is False
     mine = [torch.full((600_000,), float(w.rank))]
-    _pack_broadcast(mine, 0, w.comm, 1 << 20, w.watch)
+    pack_broadcast(mine, 0, w.comm, 1 << 20, w.watch)
     assert torch.equal(mine[0], torch.zeros(600_000))

@@ -40,7 +40,7 @@ def _where() -> Tuple[int, int, object]:
     runtime = sys.modules.get("hpcadapt.comm.world")
     if runtime is not None and runtime.is_initialized():
         w = runtime.world()
-        return w.rank, w.size, w._comm
+        return w.rank, w.size, w.comm
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size(), mpi.COMM_WORLD
@@ -98,9 +98,9 @@ def _hook(kind, value, tb) -> None:
     timer.start()
     try:
         if comm is not None and together:
-            from hpcadapt.comm import world as runtime
-
-            runtime.shutdown()
+            runtime = sys.modules.get("hpcadapt.comm.world")  # loaded: it gave the comm
+            if runtime is not None:
+                runtime.shutdown()
             sys.modules["mpi4py.MPI"].Finalize()
         elif comm is not None:
             comm.Abort(code)

@@ -59,7 +59,7 @@ class Plan:
 
             Strategy.from_dict(self.strategy)
         if self.topology is not None:
-            from hpcadapt.comm.topology import parse_topology
+            from hpcadapt.base.topology_names import parse_topology
 
             parse_topology(self.topology)
         if self.ramp is not None:

@@ -37,7 +37,7 @@ class ReduceOp(enum.Enum):
 
 
 # keyed by the enum's value: hashing a str is cheaper than hashing an Enum member
-_MPI_OPS = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
+MPI_OPS = {"sum": MPI.SUM, "average": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 
 
 class Handle:
@@ -124,15 +124,15 @@ class MPICommunicator:
 
     # -- asynchronous ---------------------------------------------------------------
     def allreduce_async(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Handle:
-        op = _reduce_op(op)
+        op = as_reduce_op(op)
         buf, write_back = as_buffer(x, reduce=True)
         self._check_layout("allreduce", buf)
         size = self.size
-        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op._value_])
+        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op._value_])
 
         def finish() -> Array:
             if op is ReduceOp.AVERAGE:
-                _divide(buf, size)
+                divide_in_place(buf, size)
             write_back()
             return x
 
@@ -170,14 +170,14 @@ class MPICommunicator:
         wait_request(request, getattr(self._world, "watch", None), what)
 
     def allreduce(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Array:
-        op = _reduce_op(op)
+        op = as_reduce_op(op)
         buf, write_back = as_buffer(x, reduce=True)
         if self._check:
             self._check_layout("allreduce", buf)
-        self._wait(self._world.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op._value_]),
+        self._wait(self._world.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op._value_]),
                    "an allreduce")
         if op is ReduceOp.AVERAGE:
-            _divide(buf, self.size)
+            divide_in_place(buf, self.size)
         write_back()
         return x
 
@@ -219,7 +219,7 @@ def check_same_layout(comm: MPI.Intracomm, items: Sequence, *, what: str) -> Non
             f"(rank {comm.Get_rank()} has [{mine}]); every rank must pass the same layout")
 
 
-def _divide(buf: np.ndarray, size: int) -> None:
+def divide_in_place(buf: np.ndarray, size: int) -> None:
     """Turn a SUM into an AVERAGE in place (floor division for integer dtypes)."""
     if size > 1:
         if np.issubdtype(buf.dtype, np.integer):
@@ -228,7 +228,7 @@ def _divide(buf: np.ndarray, size: int) -> None:
             np.multiply(buf, 1.0 / size, out=buf)
 
 
-def _reduce_op(op: Any) -> ReduceOp:
+def as_reduce_op(op: Any) -> ReduceOp:
     if op.__class__ is ReduceOp:
         return op
     try:

@@ -25,7 +25,6 @@ two could hang them."""
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -39,8 +38,9 @@ from hpcadapt.base import config
 from hpcadapt.comm.buffers import Array, as_buffer
 # the same reduction table and AVERAGE division as MPICommunicator, so that flat and the
 # other topologies agree on integer averages (floor division) and on refused reductions
-from hpcadapt.comm.collectives import Handle, ReduceOp, _divide, _MPI_OPS, _reduce_op, check_same_layout
+from hpcadapt.comm.collectives import Handle, ReduceOp, divide_in_place, MPI_OPS, as_reduce_op, check_same_layout
 from hpcadapt.base.errors import CommunicationError, ConfigurationError
+from hpcadapt.base.topology_names import Topology, parse_ranks_per_node, parse_topology
 from hpcadapt.comm.world import PeerWatch, node_key, wait_request
 
 __all__ = ["Topology", "NodeLayout", "parse_topology", "parse_ranks_per_node",
@@ -55,59 +55,6 @@ _TAG_SPAN = 32767
 _UFUNCS = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum}
 
 Steps = Iterator[List[MPI.Request]]
-
-
-class Topology(enum.Enum):
-    """How an allreduce travels.
-
-    FLAT: MPI's own ``Iallreduce`` on the whole communicator.
-    HIERARCHICAL: reduce inside each node to its lowest rank (the leader), allreduce among
-    the leaders, broadcast inside each node. With one node, or one rank per node, it is
-    flat (the reason is logged).
-    RING: reduce-scatter then allgather around the ring of ranks, the array cut in
-    ``size`` chunks: each rank sends and receives ``2 (size-1)/size`` of the array.
-    TREE: binomial reduce to rank 0, then binomial broadcast: ``log2(size)`` rounds each
-    way, whole arrays."""
-
-    FLAT = "flat"
-    HIERARCHICAL = "hierarchical"
-    RING = "ring"
-    TREE = "tree"
-
-
-def parse_topology(name: Union[str, Topology]) -> Topology:
-    """The Topology called ``name`` (case-insensitive); ConfigurationError listing the
-    choices otherwise."""
-    if isinstance(name, Topology):
-        return name
-    try:
-        return Topology(str(name).strip().lower())
-    except ValueError:
-        raise ConfigurationError(
-            f"unknown allreduce topology {name!r}; choose one of "
-            f"{', '.join(t.value for t in Topology)}") from None
-
-
-def parse_ranks_per_node(value: Union[None, int, str]) -> Optional[int]:
-    """The emulated-nodes flag (``--ranks-per-node``): None, ``""`` or ``"auto"`` mean the
-    real nodes; a whole number k >= 1 groups consecutive ranks into pretend nodes of k (the
-    last one smaller when k does not divide the world size). ConfigurationError otherwise."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("", "auto"):
-            return None
-        k = int(text) if text.isdigit() else None
-    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        k = int(value)
-    else:
-        k = None
-    if k is None or k < 1:
-        raise ConfigurationError(
-            f"ranks per node {value!r} is not usable: give a whole number >= 1 (consecutive "
-            "ranks form pretend nodes of that many) or 'auto' (the real nodes)")
-    return k
 
 
 @dataclass(frozen=True)
@@ -276,7 +223,7 @@ class TopologyCommunicator:
 
     def allreduce_async(self, x: Array, op: ReduceOp = ReduceOp.SUM) -> Handle:
         """Reduce ``x`` in place on every rank; the handle's ``wait()`` returns ``x``."""
-        op = _reduce_op(op)
+        op = as_reduce_op(op)
         buf, write_back = as_buffer(x, reduce=True)
         comm = self.comm
         if self._check:
@@ -288,7 +235,7 @@ class TopologyCommunicator:
 
         def finish() -> Array:
             if op is ReduceOp.AVERAGE:
-                _divide(buf, size)
+                divide_in_place(buf, size)
             write_back()
             return x
 
@@ -351,7 +298,7 @@ class FlatAllreduce(TopologyCommunicator):
     topology = Topology.FLAT
 
     def _steps(self, buf: np.ndarray, op: ReduceOp, tag: int) -> Steps:
-        return _one(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op.value]))
+        return _one(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI_OPS[op.value]))
 
 
 class HierarchicalAllreduce(TopologyCommunicator):
@@ -380,7 +327,7 @@ class HierarchicalAllreduce(TopologyCommunicator):
         reduce, bcast = self._node_reduce, self._node_bcast
         if reduce is None or bcast is None:
             raise ConfigurationError("this hierarchical topology has been freed; build a new one")
-        mpi_op = _MPI_OPS[op.value]
+        mpi_op = MPI_OPS[op.value]
         leader = reduce.Get_rank() == 0
         alone = reduce.Get_size() == 1
         if not alone:

@@ -151,6 +151,11 @@ class World:
             old.Free()
         return None
 
+    def adopt_version(self, version: int) -> None:
+        """The cluster version the others hold: after a recovery every survivor takes the
+        highest one any of them held; a joiner the one its state came with."""
+        self._version = int(version)
+
     def bump_version(self) -> int:
         """A change of configuration without a new communicator (a strategy switch): the
         version goes up on every rank at the same boundary, so that what caches per-world

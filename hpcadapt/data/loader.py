@@ -122,16 +122,22 @@ class ElasticDataLoader:
                 multiprocessing_context=multiprocessing_context, timeout=timeout)
         self._pin_memory = pin_memory
         self._iter: Optional[Iterator[Any]] = None
-        self._job = None  # set by Job.setup
+        self._batches: Optional[Callable[[], Iterator[Any]]] = None  # Job.setup binds it
 
     def __len__(self) -> int:
         return self.sampler.num_samples
 
     def __iter__(self):
-        if self._job is None:
+        if self._batches is None:
             raise ConfigurationError("pass the loader to job.setup(model, optimizer, loader) "
                                      "before iterating it")
-        return self._job._batches()
+        return self._batches()
+
+    def bind(self, batches: Callable[[], Iterator[Any]]) -> None:
+        """``job.setup`` binds the loader to the job: iterating it yields ``batches()``,
+        this rank's (micro-)batches of the current epoch, with the step boundary between
+        steps."""
+        self._batches = batches
 
     def close(self) -> None:
         """Stop the worker processes now (``job.finish`` calls it): they exit through their

@@ -14,12 +14,9 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Protocol, Sequence
+from typing import List, Optional, Protocol, Sequence
 
 from hpcadapt.base.errors import AllocationError, ConfigurationError
-
-if TYPE_CHECKING:
-    from hpcadapt.base.options import JobOptions
 
 __all__ = ["Allocator", "Worker", "LocalAllocator", "LAUNCHERS", "find_mpiexec"]
 
@@ -237,36 +234,3 @@ class LocalAllocator:
             elif isinstance(w, _SpawnedWorker):
                 w.stop()
         self._workers.clear()
-
-
-def build_allocator(options: "JobOptions", rank: int):
-    """The allocator the options ask for, and the folder joiners find the port in.
-
-    Slurm needs its commands and a job to live in; without them it says why in one line
-    (rank 0) and the job uses the local allocator."""
-    from hpcadapt.comm.mpiflavour import flavour
-
-    if flavour().open_mpi:
-        # A grow spawns its joiners from the job (mpirun places them on the nodes it was
-        # given): no companion allocations, whose workers could not connect there.
-        if options.allocator == "slurm" and rank == 0:
-            log.warning("--allocator slurm is not available on Open MPI: a grow spawns its "
-                        "workers within this job's allocation (up to --max-workers)")
-        return LocalAllocator(options.max_workers, launcher=options.launcher), None
-    if options.allocator in ("auto", "slurm"):
-        from hpcadapt.slurm import SlurmAllocator, in_slurm_job, slurm_available
-
-        why = ""
-        if not slurm_available():
-            why = "no Slurm commands (sbatch, squeue, scancel, scontrol) on this machine"
-        elif not in_slurm_job():
-            why = "not inside a Slurm job (SLURM_JOB_ID is not set)"
-        if not why:
-            # The port folder must be visible from the new nodes: the job's working folder.
-            return (SlurmAllocator(None, options.max_workers, partition=options.slurm_partition,
-                                   pending_timeout=options.slurm_pending_timeout,
-                                   mpi=options.slurm_mpi, grow=options.slurm_grow),
-                    os.path.join(os.getcwd(), ".hpcadapt-join"))
-        if options.allocator == "slurm" and rank == 0:
-            log.warning("Slurm allocator unavailable: %s; using the local allocator", why)
-    return LocalAllocator(options.max_workers, launcher=options.launcher), None

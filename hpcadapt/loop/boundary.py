@@ -20,6 +20,7 @@ from hpcadapt.base.strategy import Strategy
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 
+from hpcadapt.base.metrics import StrategyRecord, TopologyRecord
 __all__ = ["Boundary"]
 
 log = logging.getLogger("hpcadapt.job")
@@ -71,7 +72,7 @@ class Boundary:
                 return True
         if not self.left:
             self._poll_elastic()
-        if self.allocator is not None and hasattr(self.allocator, "reap"):
+        if self.allocator is not None:
             self.allocator.reap()  # launchers of workers that exited: no zombies
         return not self.left
 
@@ -182,10 +183,9 @@ class Boundary:
         self.world.bump_version()
         if self.world.rank == 0:
             log.info("allreduce topology %s -> %s at step %d (%s)", old, name, st.step, reason)
-        self.sink.write({"event": "topology", "step": st.step, "epoch": st.epoch,
-                         "from": old, "to": name, "reason": reason,
-                         "previous_cluster_version": version,
-                         "cluster_version": self.world.cluster_version})
+        self.sink.write(TopologyRecord(step=st.step, epoch=st.epoch, from_=old, to=name,
+                                       reason=reason, previous_cluster_version=version,
+                                       cluster_version=self.world.cluster_version))
 
     def _switch_strategy(self, new: Strategy, reason: str) -> None:
         """Every rank, at a step boundary. Into S-SGD or bounded delay from model averaging
@@ -234,9 +234,9 @@ class Boundary:
         if self.world.rank == 0:
             log.info("strategy %s -> %s at step %d (%s)", old.describe(), new.describe(),
                      st.step, reason)
-        self.sink.write({"event": "strategy", "step": st.step, "epoch": st.epoch,
-                         "from": old.to_dict(), "to": new.to_dict(), "reason": reason,
-                         "previous_cluster_version": version,
-                         "cluster_version": self.world.cluster_version,
-                         "switch_s": time.perf_counter() - t0,
-                         "replicas_identical": identical})
+        self.sink.write(StrategyRecord(step=st.step, epoch=st.epoch, from_=old.to_dict(),
+                                       to=new.to_dict(), reason=reason,
+                                       previous_cluster_version=version,
+                                       cluster_version=self.world.cluster_version,
+                                       switch_s=time.perf_counter() - t0,
+                                       replicas_identical=identical))

@@ -22,6 +22,7 @@ from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.world import CommView
 from hpcadapt.state.rollback import StepCommit
 
+from hpcadapt.base.metrics import FailureRecord, RecoveryRecord
 __all__ = ["FailureHandling"]
 
 log = logging.getLogger("hpcadapt.job")
@@ -53,11 +54,11 @@ class FailureHandling:
                   f".{int(detected * 1000) % 1000:03d}")
         code = EXIT_REQUEUE
         if self.world.rank == 0 and st is not None:
-            self.sink.write({"event": "failure", "rank": exc.rank, "cause": exc.cause,
-                             "detail": str(exc), "step": st.step, "epoch": st.epoch,
-                             "world_size": self.world.size, "detected_unix": detected,
-                             "waited_s": exc.waited_s,
-                             "cluster_version": self.world.cluster_version})
+            self.sink.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
+                                          step=st.step, epoch=st.epoch,
+                                          world_size=self.world.size, detected_unix=detected,
+                                          waited_s=exc.waited_s,
+                                          cluster_version=self.world.cluster_version))
             saved = False
             if self.options.checkpoint and not self.joining:
                 self.stopped = "peer failure"
@@ -177,21 +178,18 @@ class FailureHandling:
                   "state_broadcast_s": time.perf_counter() - t_surveyed if not same else None}
         if self.allocator is not None:
             self.allocator.released(len(agreement.dead))
-            if hasattr(self.allocator, "reap"):
-                self.allocator.reap()
+            self.allocator.reap()
         if self.world.rank == 0:
             log.warning("rank(s) %s of %d died (%s): recovered in %.3f s on %d workers, "
                         "training from step %d", list(agreement.dead), old_size, exc,
                         time.perf_counter() - t0, self.world.size, self.state.step)
-        self.sink.write({"event": "failure", "recovered": True, "dead": list(agreement.dead),
-                         "dead_pids": dead_pids, "rank": agreement.dead[0], "cause": exc.cause,
-                         "detail": str(exc), "step": self.state.step, "step_in_flight":
-                         rolled_from, "epoch": self.state.epoch, "old_size": old_size,
-                         "world_size": self.world.size, "detected_unix": exc.detected_at,
-                         "recovered_unix": recovered, "waited_s": exc.waited_s,
-                         "recovery_s": recovered - exc.detected_at,
-                         "cluster_version": self.world.cluster_version,
-                         "previous_cluster_version": version, **phases})
+        self.sink.write(RecoveryRecord(
+            dead=list(agreement.dead), dead_pids=dead_pids, rank=agreement.dead[0],
+            cause=exc.cause, detail=str(exc), step=self.state.step, step_in_flight=rolled_from,
+            epoch=self.state.epoch, old_size=old_size, world_size=self.world.size,
+            detected_unix=exc.detected_at, recovered_unix=recovered, waited_s=exc.waited_s,
+            recovery_s=recovered - exc.detected_at, cluster_version=self.world.cluster_version,
+            previous_cluster_version=version, **phases))
         self._after_resize(ResizeOutcome(old_size, self.world.size,
                                          f"failure of rank(s) {list(agreement.dead)}", 0.0,
                                          True), t0)
@@ -249,7 +247,7 @@ class FailureHandling:
                                "the recovery's state survey")
         # A survivor that applied one more boundary's switch than another holds a higher
         # version: all take the highest, so the next plan's version check agrees everywhere.
-        self.world._version = int(table[:, 2].max())
+        self.world.adopt_version(int(table[:, 2].max()))
         if table[:, 0].max() < 0:
             raise world_mod.PeerFailure("no survivor holds the training state (the ranks "
                                         "that did died during a join)", cause="dead")

@@ -16,10 +16,12 @@ import numpy as np
 
 from hpcadapt.base import faults
 from hpcadapt.base.errors import ConfigurationError, MembershipError
+from hpcadapt.base.options import JobOptions
 from hpcadapt.base.metrics import ResizeRecord
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.comm.world import CommView
+from hpcadapt.elastic.allocator import LocalAllocator
 
 __all__ = ["MembershipChanges"]
 
@@ -29,7 +31,6 @@ class MembershipChanges:
     """The job's side of membership changes: resizes asked for, shrinks, grows polled and completed at a boundary, a joiner's join, a leaver's exit."""
 
     def _setup_elastic(self) -> None:
-        from hpcadapt.elastic.allocator import build_allocator
         from hpcadapt.elastic.membership import ElasticController, joiner_argv
 
         o = self.options
@@ -140,7 +141,8 @@ class MembershipChanges:
         self._after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
 
     def _poll_elastic(self) -> None:
-        from hpcadapt.elastic.membership import ABANDON, JOIN, JoinAborted, ResizeOutcome
+        from hpcadapt.elastic.joins import JoinAborted
+        from hpcadapt.elastic.membership import ABANDON, JOIN, ResizeOutcome
 
         if self.elastic is None:
             return
@@ -189,7 +191,7 @@ class MembershipChanges:
                 # the ranks that trained on (their state is untouched); the merged
                 # communicator is left unfreed (freeing it would wait on the dead).
                 self.world.replace(previous, version=version, keep_old=True)
-                self.optimizer._ensure_current()
+                self.optimizer.ensure_current()
                 if self.world.rank == 0:
                     for w in workers:
                         w.stop()
@@ -280,9 +282,8 @@ class MembershipChanges:
 
     def _join(self) -> None:
         """A worker started for a grow: connect, merge, receive the state."""
-        from hpcadapt.elastic.membership import JoinTicket, ResizeOutcome, join_running_job
-
-        from hpcadapt.elastic.membership import JoinAborted
+        from hpcadapt.elastic.joins import JoinAborted, JoinTicket, join_running_job
+        from hpcadapt.elastic.membership import ResizeOutcome
 
         if self._spawned_to_join:
             self._join_spawned()
@@ -314,7 +315,9 @@ class MembershipChanges:
     def _join_spawned(self) -> None:
         """A worker the job spawned (Open MPI): ready, merge, receive the state from rank 0.
         The wait for the job's word lasts as long as the job waits for its joiners."""
-        from hpcadapt.elastic.membership import JoinAborted, ResizeOutcome, join_spawning_job
+        from hpcadapt.elastic.joins import JoinAborted
+        from hpcadapt.elastic.membership import ResizeOutcome
+        from hpcadapt.elastic.spawned import join_spawning_job
 
         wait_s = self.options.join_timeout + self.options.peer_timeout
         if self._spare_of:
@@ -392,14 +395,14 @@ class MembershipChanges:
         finally:
             part.Free()
         if rank != 0 and version != self.world.cluster_version:
-            self.world._version = version
+            self.world.adopt_version(version)
 
     def _after_resize(self, outcome, paused_at: float = float("nan"),
                       decided_at: float = float("nan")) -> None:
         """Every rank of the new world: rebuild what depends on the size, record the resize,
         and queue the policies' ``on_resize`` for the next boundary."""
         self.optimizer.set_extra_slots(self._control_layout().length)
-        self.optimizer._ensure_current()
+        self.optimizer.ensure_current()
         self._identical_after_resize = None
         # Under model averaging the replicas differ by design: nothing to compare.
         if self.options.check_replicas and outcome.ok and self.state.strategy.averages_gradients:
@@ -487,3 +490,34 @@ def _give_up_join(reason) -> None:
     logging.shutdown()
     sys.stderr.flush()
     os._exit(3)
+
+
+def build_allocator(options: JobOptions, rank: int):
+    """The allocator the options ask for, and the folder joiners find the port in.
+
+    Slurm needs its commands and a job to live in; without them it says why in one line
+    (rank 0) and the job uses the local allocator."""
+    if flavour().open_mpi:
+        # A grow spawns its joiners from the job (mpirun places them on the nodes it was
+        # given): no companion allocations, whose workers could not connect there.
+        if options.allocator == "slurm" and rank == 0:
+            log.warning("--allocator slurm is not available on Open MPI: a grow spawns its "
+                        "workers within this job's allocation (up to --max-workers)")
+        return LocalAllocator(options.max_workers, launcher=options.launcher), None
+    if options.allocator in ("auto", "slurm"):
+        from hpcadapt.slurm import SlurmAllocator, in_slurm_job, slurm_available
+
+        why = ""
+        if not slurm_available():
+            why = "no Slurm commands (sbatch, squeue, scancel, scontrol) on this machine"
+        elif not in_slurm_job():
+            why = "not inside a Slurm job (SLURM_JOB_ID is not set)"
+        if not why:
+            # The port folder must be visible from the new nodes: the job's working folder.
+            return (SlurmAllocator(None, options.max_workers, partition=options.slurm_partition,
+                                   pending_timeout=options.slurm_pending_timeout,
+                                   mpi=options.slurm_mpi, grow=options.slurm_grow),
+                    os.path.join(os.getcwd(), ".hpcadapt-join"))
+        if options.allocator == "slurm" and rank == 0:
+            log.warning("Slurm allocator unavailable: %s; using the local allocator", why)
+    return LocalAllocator(options.max_workers, launcher=options.launcher), None

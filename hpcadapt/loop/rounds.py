@@ -21,6 +21,7 @@ from hpcadapt.comm.collectives import ReduceOp
 from hpcadapt.data.loader import split_micro
 from hpcadapt.state.training import optimizer_settings
 
+from hpcadapt.base.metrics import BoundedDelayRecord
 __all__ = ["BoundedDelayRounds"]
 
 log = logging.getLogger("hpcadapt.job")
@@ -178,10 +179,9 @@ class BoundedDelayRounds:
             hist = totals.setdefault(name, {})
             for delay, n in getattr(report, name).items():
                 hist[str(delay)] = hist.get(str(delay), 0) + n
-        self.sink.write(dict({"event": "bounded-delay", "step": st.step, "epoch": st.epoch,
-                              "first_step": step0, "steps": steps,
-                              "max_delay": st.strategy.max_delay,
-                              "world_size": self.world.size}, **report.to_dict()))
+        self.sink.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
+                                           steps=steps, max_delay=st.strategy.max_delay,
+                                           world_size=self.world.size, **report.to_dict()))
         if self._sample_file is not None:
             for slot, worker, indices in report.applied:
                 self._sample_file.write(json.dumps({

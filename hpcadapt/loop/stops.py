@@ -21,6 +21,7 @@ from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 from hpcadapt.state.training import checkpoint_step, optimizer_settings
 
+from hpcadapt.base.metrics import ResumeRecord, StopRecord
 __all__ = ["StopsAndCheckpoints"]
 
 log = logging.getLogger("hpcadapt.job")
@@ -50,10 +51,11 @@ class StopsAndCheckpoints:
         if self.world.rank == 0:
             log.info("resumed from %s at epoch %d, step %d", path, self.state.epoch,
                      self.state.step)
-            self.sink.write({"event": "resume", "step": self.state.step,
-                             "epoch": self.state.epoch, "world_size": self.world.size,
-                             "saved_world_size": self.state.world_size, "checkpoint": path,
-                             "cluster_version": self.world.cluster_version})
+            self.sink.write(ResumeRecord(step=self.state.step, epoch=self.state.epoch,
+                                         world_size=self.world.size,
+                                         saved_world_size=self.state.world_size,
+                                         checkpoint=path,
+                                         cluster_version=self.world.cluster_version))
             if self.state.strategy != self._initial_strategy:
                 log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
                             "the run had switched; a policy may switch again)",
@@ -85,10 +87,10 @@ class StopsAndCheckpoints:
     def _record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
         """Rank 0: the stop's line in the metrics (plots mark it)."""
         st = self.state
-        self.sink.write({"event": "stop", "step": st.step, "epoch": st.epoch,
-                         "world_size": self.world.size, "signal": why, "saved": saved,
-                         "checkpoint": self.options.checkpoint if saved else None,
-                         "requeue": requeue, "cluster_version": self.world.cluster_version})
+        self.sink.write(StopRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
+                                   signal=why, saved=saved,
+                                   checkpoint=self.options.checkpoint if saved else None,
+                                   requeue=requeue, cluster_version=self.world.cluster_version))
 
     def _stop_for_divergence(self) -> None:
         """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps (updates
