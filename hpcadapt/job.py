@@ -33,12 +33,10 @@ from hpcadapt.base import config, lifecycle
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.base.metrics import MetricsSink
 from hpcadapt.base.options import JobOptions, refuse_inconsistent
-from hpcadapt.base.paths import unwritable
 from hpcadapt.base.preemption import StopSignals
 from hpcadapt.base.strategy import Strategy
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
-from hpcadapt.comm.tell import root_tells
 from hpcadapt.data.loader import ElasticDataLoader, WalkKey, split_micro
 from hpcadapt.loop.boundary import Boundary
 from hpcadapt.loop.control import StepTimes
@@ -48,19 +46,21 @@ from hpcadapt.loop.membership import MembershipChanges
 from hpcadapt.loop.monitor import GradientNoiseScale, MonitorConfig
 from hpcadapt.loop.monitoring import Monitoring
 from hpcadapt.loop.rounds import BoundedDelayRounds
+from hpcadapt.loop.setup_checks import SetUpChecks
 from hpcadapt.loop.steps import StepLoop
 from hpcadapt.loop.stops import StopsAndCheckpoints
 from hpcadapt.parallel.optimizer import DistributedOptimizer
 from hpcadapt.state.rollback import StepCommit
 from hpcadapt.state.training import HyperParams, TrainingState, UserState, momentum_of
 
+
 __all__ = ["Job", "JobOptions", "StepTimes"]
 
 log = logging.getLogger(__name__)
 
 
-class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHandling,
-          Monitoring, StopsAndCheckpoints):
+class Job(SetUpChecks, StepLoop, BoundedDelayRounds, Boundary, MembershipChanges,
+          FailureHandling, Monitoring, StopsAndCheckpoints):
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
@@ -159,7 +159,9 @@ class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHand
         self._walk: Optional[WalkKey] = None
         self._walk_cursor = -1
         self._stop_requested = False
-        self._recovered = False  # set when a recovery cut the step or boundary short
+        # Set by a recovery: the loop iteration it cut short starts again from the state the
+        # survivors agreed on (read once, by the loop's scope: _take_restart).
+        self._restart = False
         # The state the step (round) in flight may change, as of its start (rollback.py):
         # a recovery undoes the uncommitted step with it. None once the step commits.
         self._in_flight: Optional[StepCommit] = None
@@ -188,41 +190,6 @@ class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHand
             # committed (the failure tests count samples from these files).
             self._sample_file = open(os.path.join(o.sample_log, f"samples-{os.getpid()}.jsonl"),
                                      "a", encoding="utf-8", buffering=1)
-
-    def _choose_device(self):
-        """--device: this rank's device from its local rank (one GPU per rank; ranks share
-        GPUs, over the host-staged plane, when a node has more ranks than GPUs)."""
-        from hpcadapt.cuda.device import choose_device
-
-        choice, error = None, ""
-        try:
-            choice = choose_device(self.options.device, local_rank=self.world.local_rank,
-                                   local_size=self.world.local_size)
-        except ConfigurationError as exc:
-            error = str(exc)
-        self._agree(error)  # rank 0's problem: raised on every rank together, printed once
-        if choice is None:
-            raise ConfigurationError(error)  # this rank's alone: the job ends (exception hook)
-        if choice.kind == "cuda":
-            torch.cuda.set_device(choice.index)
-        if self.world.rank == 0 and choice.kind == "cuda":
-            log.info("device: %s", choice.reason)
-        return choice
-
-    def _data_plane(self, model: nn.Module) -> str:
-        """The plane for ``model``'s gradients; ConfigurationError when the model is not
-        on the device the job trains on (``--device`` asked explicitly)."""
-        o = self.options
-        params = [p for p in model.parameters()]
-        where = params[0].device if params else torch.device("cpu")
-        if o.device != "auto" and where.type != self.device.type:
-            raise ConfigurationError(
-                f"the model is on {where} but --device {o.device} trains on {self.device}: "
-                f"call model.to(job.device) before job.setup")
-        if o.data_plane == "auto" and where.type == "cuda":
-            return self.device_choice.data_plane if self.device_choice.kind == "cuda" \
-                else "auto"
-        return o.data_plane
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               loader: ElasticDataLoader, *, extra: Optional[Mapping[str, Any]] = None,
@@ -272,7 +239,7 @@ class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHand
                                    GradientNoiseScale(o.monitor_ema), self.extra, self.engine)
         self.state.strategy = self._initial_strategy
         self.state.topology = o.topology
-        loader.bind(self._batches)
+        loader.bind(self._batches, lambda: self.state.hyper.batch_size)
         if self.joining:
             self._join()
         else:
@@ -293,31 +260,6 @@ class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHand
                          ", ".join(p.name for p in self.engine.policies) or "none")
                 log.info("%s", flavour().startup_line(o.on_failure == "recover"))
         return self
-
-    def _say_once(self, message: str, *args: Any) -> None:
-        if self.world.rank == 0:
-            log.warning(message, *args)
-
-    def _agree(self, error: str) -> None:
-        """Rank 0's verdict for everyone: ConfigurationError on every rank if it is one."""
-        error = root_tells(error or None, self.world, what="rank 0's verdict")
-        if error:
-            raise on_every_rank(ConfigurationError(error))
-
-    def _check_output_folders(self) -> None:
-        """Refuse at start (not at the first write, nor when the stop signal comes) an output
-        path that cannot be written, itself or its folder: rank 0 probes, every rank hears
-        its verdict."""
-        o = self.options
-        error = ""
-        if self.world.rank == 0:
-            for flag, path in (("--checkpoint", o.checkpoint), ("--metrics-file", o.metrics_file),
-                               ("--summary-json", o.summary_json)):
-                if path and not error:
-                    error = unwritable(flag, path, replaced=flag == "--checkpoint")
-            if o.sample_log and not error:
-                error = unwritable("--sample-log", o.sample_log, folder_path=True)
-        self._agree(error)
 
     @property
     def rank(self) -> int:
@@ -386,17 +328,17 @@ class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHand
         resuming = st.started
         st.started = True
         if not resuming:
-            self._hook("before_train")
+            self._hook_in_scope("before_train")
         first = True
         skip_before = False
         while st.epoch < count and not self._over():
             if st.sampler.epoch != st.epoch:
                 st.sampler.set_epoch(st.epoch)
             if not (resuming and first) and not skip_before:
-                self._hook("before_epoch")
-            # A recovery inside an epoch hook: the other survivors may already be training;
-            # every rank goes straight to the steps, from the state all agreed on.
-            self._recovered = skip_before = False
+                # A recovery inside it: the other survivors may already be training; every
+                # rank goes straight to the steps, from the state all agreed on.
+                self._hook_in_scope("before_epoch")
+            skip_before = False
             first = False
             self._epoch_samples, self._epoch_losses = 0, []
             self._t_epoch = time.perf_counter()
@@ -409,15 +351,14 @@ class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHand
             if self.finished_by_stop_file or self._max_steps_reached():
                 break
             done = st.sampler.epoch_done
-            self._hook("after_epoch")
-            if self._recovered:
+            if self._hook_in_scope("after_epoch"):
                 skip_before = True  # the agreed state says which epoch this is
                 continue
             if done:
                 st.epoch += 1
                 st.sampler.set_epoch(st.epoch)
         if not self.left and not self.stopped:
-            self._hook("after_train")
+            self._hook_in_scope("after_train")
         self._finish_elastic()
 
     def _batches(self) -> Iterator[Any]:
@@ -426,23 +367,42 @@ class Job(StepLoop, BoundedDelayRounds, Boundary, MembershipChanges, FailureHand
         (its gradient contribution is zero) and yields nothing for that step."""
         st = self._require_setup()
         while not st.sampler.epoch_done and not self._over():
-            self._recovered = False  # a recovery in an epoch hook needs no redo
+            self._restart = False  # a recovery in an epoch hook needs no redo
             rounds = st.strategy.asynchronous and self.world.size > 1
-            count = yield from (self._async_round() if rounds else self._sync_step())
+            in_step, going_on = True, True
+            # The loop's recovery scope: a peer's failure anywhere in the step (round) or at
+            # its boundary is recovered from here, and the iteration starts again from the
+            # state the survivors agreed on (the step from the cursor, at the new size).
+            # Only job.step, which runs in the user's code where no exception may go,
+            # recovers in place; it leaves the restart for this scope to see.
+            try:
+                count = yield from (self._async_round() if rounds else self._sync_step())
+                in_step = False
+                if not self._restart:
+                    going_on = self._boundary(count, round_end=rounds)
+            except world_mod.FAILURES as exc:
+                self._recover(exc, step_given_up=in_step)  # or ends the job
             self._undo_user_code_of_given_up_step()
-            if self._recovered:
-                # A peer died during this step (round): the survivors took the state of the
-                # one furthest on; the step from the cursor is trained (again) at the new size.
-                self._recovered = False
-                continue
-            going_on = self._boundary(count, round_end=rounds)
-            if self._recovered:
-                self._recovered = False  # the boundary was cut short by a recovery
+            if self._take_restart():
                 continue
             if self.left:
                 self._leave()
             if not going_on:
                 break
+
+    def _hook_in_scope(self, name: str) -> bool:
+        """An epoch-level hook (before and after training and each epoch) inside the loop's
+        recovery scope; whether a recovery cut it short."""
+        try:
+            self._hook(name)
+        except world_mod.FAILURES as exc:
+            self._recover(exc)  # or ends the job
+        return self._take_restart()
+
+    def _take_restart(self) -> bool:
+        """Whether a recovery asked the loop to start the iteration again (read once)."""
+        restart, self._restart = self._restart, False
+        return restart
 
     def _require_setup(self) -> TrainingState:
         if self.state is None:

@@ -31,6 +31,7 @@ def test_each_step_logs_the_optimizers_numbers_and_the_progress_is_right(tmp_pat
     size = batches[0]["size"]
     for i, b in enumerate(used[:-1]):  # the last step of the epoch may be short
         assert b["global"] == 64 and b["local"] == 32 and b["accumulation"] == per_step
+        assert b["loader_batch"] == b["global"]
         assert b["seen"] == 64 * i
         assert b["epochs"] == pytest.approx(64 * i / size)
         assert b["steps"] == pytest.approx(i)  # the batch never changed: steps are steps

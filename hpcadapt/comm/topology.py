@@ -38,7 +38,8 @@ from hpcadapt.base import config
 from hpcadapt.comm.buffers import Array, as_buffer
 # the same reduction table and AVERAGE division as MPICommunicator, so that flat and the
 # other topologies agree on integer averages (floor division) and on refused reductions
-from hpcadapt.comm.collectives import Handle, ReduceOp, divide_in_place, MPI_OPS, as_reduce_op, check_same_layout
+from hpcadapt.comm.collectives import (MPI_OPS, Handle, ReduceOp, as_reduce_op, check_same_layout,
+                                       divide_in_place)
 from hpcadapt.base.errors import CommunicationError, ConfigurationError
 from hpcadapt.base.topology_names import Topology, parse_ranks_per_node, parse_topology
 from hpcadapt.comm.world import PeerWatch, node_key, wait_request

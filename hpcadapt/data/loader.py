@@ -106,7 +106,8 @@ class ElasticDataLoader:
             raise ConfigurationError("the dataset must have a length (a map-style Dataset); "
                                      "iterable datasets cannot be resumed at a cursor") from None
         self.dataset = dataset
-        self.batch_size = batch_size
+        self._start_batch_size = batch_size
+        self._job_batch_size: Optional[Callable[[], int]] = None  # Job.setup binds it
         self.sampler = ElasticSampler(n, seed=seed, shuffle=shuffle)
         self.plan = PlannedBatches(self.sampler)
         self.collate_fn = collate_fn
@@ -133,11 +134,21 @@ class ElasticDataLoader:
                                      "before iterating it")
         return self._batches()
 
-    def bind(self, batches: Callable[[], Iterator[Any]]) -> None:
+    @property
+    def batch_size(self) -> int:
+        """The global batch: the one given here until ``job.setup``, then the job's (the
+        policies change it; the job's training state holds it, not the loader)."""
+        if self._job_batch_size is not None:
+            return self._job_batch_size()
+        return self._start_batch_size
+
+    def bind(self, batches: Callable[[], Iterator[Any]],
+             batch_size: Callable[[], int]) -> None:
         """``job.setup`` binds the loader to the job: iterating it yields ``batches()``,
         this rank's (micro-)batches of the current epoch, with the step boundary between
-        steps."""
+        steps; ``batch_size()`` is the job's global batch."""
         self._batches = batches
+        self._job_batch_size = batch_size
 
     def close(self) -> None:
         """Stop the worker processes now (``job.finish`` calls it): they exit through their

@@ -1,4 +1,5 @@
-"""The step boundary: metrics, stops, the policies' decision (rank 0 decides, one broadcast, every rank applies the same plan) and the switches a plan asks for.
+"""The step boundary: metrics, stops, the policies' decision (rank 0 decides, one broadcast,
+every rank applies the same plan) and the switches a plan asks for.
 
 A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
 ``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
@@ -25,8 +26,10 @@ __all__ = ["Boundary"]
 
 log = logging.getLogger("hpcadapt.job")
 
+
 class Boundary:
-    """The step boundary: metrics, stops, the policies' decision (rank 0 decides, one broadcast, every rank applies the same plan) and the switches a plan asks for."""
+    """The step boundary: metrics, stops, the policies' decision (rank 0 decides, one
+    broadcast, every rank applies the same plan) and the switches a plan asks for."""
 
     def _boundary(self, count: int, *, round_end: bool = False) -> bool:
         """Between two steps, on every rank: metrics, stop, policies, resizes. Returns
@@ -64,12 +67,8 @@ class Boundary:
             self._hook(name, **extra)
             if self.left:
                 return False
-            if self._recovered:
-                return True
         if self.engine.active and (round_end or self.engine.due(st.step, self.monitored)):
             self._hook("after_step")
-            if self._recovered:
-                return True
         if not self.left:
             self._poll_elastic()
         if self.allocator is not None:
@@ -84,7 +83,8 @@ class Boundary:
         return self.options.max_steps is not None and self.state.step >= self.options.max_steps
 
     def _hook(self, name: str, **extra: Any) -> None:
-        """Rank 0 decides with the policies; every rank applies the same plan."""
+        """Rank 0 decides with the policies; every rank applies the same plan. A peer's
+        failure goes to the loop's recovery scope."""
         if not self.engine.active:
             return
         plan_text = ""
@@ -94,13 +94,10 @@ class Boundary:
             decisions = self.engine.decide(name, snap, **extra)
             if decisions:
                 plan_text = self.engine.plan(decisions, snap, self.world.cluster_version).to_json()
-        try:
-            faults.point("plan", self.state.step)
-            plan_text = root_tells(plan_text or None, self.world, what="the plan's broadcast")
-            if plan_text:
-                self._apply_decided_plan(plan_text, snap, decisions)
-        except world_mod.FAILURES as exc:
-            self._recover(exc)  # or ends the job
+        faults.point("plan", self.state.step)
+        plan_text = root_tells(plan_text or None, self.world, what="the plan's broadcast")
+        if plan_text:
+            self._apply_decided_plan(plan_text, snap, decisions)
 
     def _apply_decided_plan(self, plan_text: str, snap, decisions) -> None:
         """Every rank: the plan rank 0 broadcast, checked, recorded (rank 0) and applied."""
@@ -148,9 +145,8 @@ class Boundary:
         if plan.momentum is not None:
             self._apply_momentum(plan.momentum)
         if plan.strategy is not None:
+            # (a peer dying in the switch ends the plan here: the rest was for that world)
             self._switch_strategy(Strategy.from_dict(plan.strategy), plan.reason or "policy")
-            if self._recovered:
-                return  # a peer died in the switch: the rest of the plan was for that world
         if plan.topology is not None:
             self.switch_topology(plan.topology, plan.reason or "policy")
         if plan.world_size is not None and plan.world_size != self.world.size:
@@ -159,8 +155,12 @@ class Boundary:
 
     def switch_strategy(self, strategy: Strategy, reason: str = "user request") -> None:
         """Change the synchronisation strategy from the next step on; call on every rank at
-        the same point between steps (policies do it through a plan)."""
-        self._switch_strategy(strategy, reason)
+        the same point between steps (policies do it through a plan). A peer that dies in
+        it is recovered from here; the old strategy stays."""
+        try:
+            self._switch_strategy(strategy, reason)
+        except world_mod.FAILURES as exc:
+            self._recover(exc)  # or ends the job
 
     def switch_topology(self, topology: str, reason: str = "user request") -> None:
         """The gradients' allreduce topology from the next step on (``hpcadapt.comm.topology``:
@@ -192,8 +192,8 @@ class Boundary:
         the replicas become one again: the plain average of all models, then rank 0's
         parameters and optimizer state broadcast (so they are bit-identical whatever the
         reduction order); out of bounded delay rank 0's optimizer state is broadcast.
-        A peer dying in these collectives is recovered from like any step's: the plan is
-        then dropped and the old strategy kept (the cluster version went up)."""
+        A peer dying in these collectives goes to the caller's recovery: the plan is then
+        dropped and the old strategy kept (the cluster version went up)."""
         from hpcadapt.parallel.optimizer import broadcast_optimizer_state, broadcast_parameters
 
         st = self.state
@@ -213,21 +213,16 @@ class Boundary:
                 broadcast_parameters(list(self.model.parameters()) + list(self.model.buffers()),
                                      root=0, world=self.world)
                 broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
-            except world_mod.FAILURES as exc:
-                self._recover(exc)
-                if self.world.rank == 0:
-                    log.error("strategy switch %s -> %s discarded (a peer died in it); "
-                              "training goes on with %s", old.name, new.name, old.describe())
-                return
+            except world_mod.FAILURES:
+                log.error("strategy switch %s -> %s discarded (a peer died in it); training "
+                          "goes on with %s after the recovery", old.name, new.name,
+                          old.describe())
+                raise
             identical = self.replicas_identical() if self.options.check_replicas else None
         elif old.asynchronous and self.world.size > 1:
             # out of bounded delay: only rank 0's optimizer stepped (the models are rank
             # 0's since the round's end); its state goes to every rank
-            try:
-                broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
-            except world_mod.FAILURES as exc:
-                self._recover(exc)
-                return
+            broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
             identical = self.replicas_identical() if self.options.check_replicas else None
         st.strategy = new
         self.world.bump_version()

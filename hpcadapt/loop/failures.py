@@ -1,4 +1,5 @@
-"""A peer's death: recovered from in place (the survivors agree, shrink, take the state of the one furthest on) or, when it cannot be, the job ends with its state saved (exit 75).
+"""A peer's death: recovered from in place (the survivors agree, shrink, take the state of the
+one furthest on) or, when it cannot be, the job ends with its state saved (exit 75).
 
 A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
 ``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
@@ -27,8 +28,11 @@ __all__ = ["FailureHandling"]
 
 log = logging.getLogger("hpcadapt.job")
 
+
 class FailureHandling:
-    """A peer's death: recovered from in place (the survivors agree, shrink, take the state of the one furthest on) or, when it cannot be, the job ends with its state saved (exit 75)."""
+    """A peer's death: recovered from in place (the survivors agree, shrink, take the
+    state of the one furthest on) or, when it cannot be, the job ends with its state
+    saved (exit 75)."""
 
     @property
     def _recoverable(self) -> bool:
@@ -98,7 +102,7 @@ class FailureHandling:
         survivor furthest on (one that finished the step in flight before the others
         noticed is one step ahead; the others have changed nothing yet); the step from that
         state's cursor is trained at the smaller size, so no sample is skipped or trained
-        twice. Returns with ``_recovered`` set, or ends the job through ``_fail`` when the
+        twice. Returns with ``_restart`` set, or ends the job through ``_fail`` when the
         death cannot be survived (see ``recovery.unrecoverable``) or recovery fails.
         ``step_given_up``: the death cut a step (round) short, so what the loop body does
         after that ``job.step`` is undone at the next batch; a death at a boundary, in a
@@ -167,7 +171,7 @@ class FailureHandling:
             except world_mod.FAILURES as again:
                 self._fail(world_mod.as_failure(again, "the recovery"))
         self._walk = None
-        self._recovered = True
+        self._restart = True
         self._step_open = False
         if step_given_up:
             self._undo_at_next_batch = StepCommit.take(self.state.step, self.extra,

@@ -1,4 +1,5 @@
-"""The job's side of membership changes: resizes asked for, shrinks, grows polled and completed at a boundary, a joiner's join, a leaver's exit.
+"""The job's side of membership changes: resizes asked for, shrinks, grows polled and completed
+at a boundary, a joiner's join, a leaver's exit.
 
 A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
 ``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
@@ -27,8 +28,10 @@ __all__ = ["MembershipChanges"]
 
 log = logging.getLogger("hpcadapt.job")
 
+
 class MembershipChanges:
-    """The job's side of membership changes: resizes asked for, shrinks, grows polled and completed at a boundary, a joiner's join, a leaver's exit."""
+    """The job's side of membership changes: resizes asked for, shrinks, grows polled
+    and completed at a boundary, a joiner's join, a leaver's exit."""
 
     def _setup_elastic(self) -> None:
         from hpcadapt.elastic.membership import ElasticController, joiner_argv
@@ -95,7 +98,10 @@ class MembershipChanges:
                                      "that starts them)")
         self.request_resize(count, reason)
         while self.elastic.growing:
-            self._poll_elastic()
+            try:
+                self._poll_elastic()
+            except world_mod.FAILURES as exc:
+                self._recover(exc)  # or ends the job
             time.sleep(0.02)
 
     def request_resize(self, new_size: int, reason: str = "user request", *,
@@ -149,11 +155,7 @@ class MembershipChanges:
         self.elastic.keep_spares()  # rank 0, not while a grow is pending
         if not self.elastic.growing:
             return
-        try:
-            status, joiners, detail = self.elastic.poll_grow()
-        except world_mod.FAILURES as exc:
-            self._recover(exc)  # or ends the job
-            return
+        status, joiners, detail = self.elastic.poll_grow()  # a failure: the caller's recovery
         if status == ABANDON:
             self._record_resize(self.elastic.abandon(detail))
         elif status == JOIN:

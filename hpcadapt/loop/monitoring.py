@@ -1,4 +1,5 @@
-"""What the job measures and records: the gradient noise scale, per-rank timings, the snapshot the policies decide on, the step and epoch lines of the metrics file.
+"""What the job measures and records: the gradient noise scale, per-rank timings, the snapshot
+the policies decide on, the step and epoch lines of the metrics file.
 
 A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
 ``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
@@ -25,8 +26,10 @@ __all__ = ["Monitoring"]
 
 log = logging.getLogger("hpcadapt.job")
 
+
 class Monitoring:
-    """What the job measures and records: the gradient noise scale, per-rank timings, the snapshot the policies decide on, the step and epoch lines of the metrics file."""
+    """What the job measures and records: the gradient noise scale, per-rank timings,
+    the snapshot the policies decide on, the step and epoch lines of the metrics file."""
 
     def _monitor_interval(self) -> int:
         import functools

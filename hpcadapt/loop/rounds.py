@@ -1,4 +1,5 @@
-"""Bounded-delay rounds (``--strategy bounded-delay``): rank 0 aggregates, the other ranks train on the batches it hands them; a round commits as ``ceil(samples / B)`` steps.
+"""Bounded-delay rounds (``--strategy bounded-delay``): rank 0 aggregates, the other ranks
+train on the batches it hands them; a round commits as ``ceil(samples / B)`` steps.
 
 A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
 ``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
@@ -26,16 +27,19 @@ __all__ = ["BoundedDelayRounds"]
 
 log = logging.getLogger("hpcadapt.job")
 
+
 class BoundedDelayRounds:
-    """Bounded-delay rounds (``--strategy bounded-delay``): rank 0 aggregates, the other ranks train on the batches it hands them; a round commits as ``ceil(samples / B)`` steps."""
+    """Bounded-delay rounds (``--strategy bounded-delay``): rank 0 aggregates, the other
+    ranks train on the batches it hands them; a round commits as ``ceil(samples / B)``
+    steps."""
 
     def _async_round(self) -> Iterator[Any]:
         """One round of bounded-delay aggregation: rank 0 aggregates, the other ranks yield
         the batches it hands them. Every rank starts from rank 0's model and ends with it;
         the round's control values (loss, per-rank times, stop votes) then travel in one
         small allreduce, and the round counts as ``ceil(samples / B)`` steps. Returns the
-        round's samples (0 after a recovery: a peer died in the round, which is then
-        trained again from the agreed state)."""
+        round's samples; a peer's failure in the round goes to the loop's recovery scope
+        (the round is trained again from the agreed state)."""
         from hpcadapt.parallel.bounded import Aggregator, AsyncWorker, FlatModel
         from hpcadapt.comm.collectives import MPICommunicator
         from hpcadapt.parallel.optimizer import broadcast_parameters
@@ -72,10 +76,9 @@ class BoundedDelayRounds:
             control = self._round_control(report)
             MPICommunicator(self.world).allreduce(control, ReduceOp.SUM)
             broadcast_parameters(tensors, root=0, world=self.world)  # rank 0's model for all
-        except world_mod.FAILURES as exc:
+        except world_mod.FAILURES:
             self._step_open = False
-            self._recover(exc, step_given_up=True)  # or ends the job
-            return 0
+            raise  # the loop's recovery scope: the round is trained again from the commit
         step0 = st.step
         self._used_settings = optimizer_settings(self.optimizer.optimizer)
         st.sampler.advance(count)

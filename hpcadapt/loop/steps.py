@@ -1,4 +1,5 @@
-"""The synchronous step: a step's (micro-)batches, ``job.step``, the gradient exchange with the control values, the update and its commit.
+"""The synchronous step: a step's (micro-)batches, ``job.step``, the gradient exchange with the
+control values, the update and its commit.
 
 A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
 ``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
@@ -29,8 +30,10 @@ __all__ = ["StepLoop"]
 
 log = logging.getLogger("hpcadapt.job")
 
+
 class StepLoop:
-    """The synchronous step: a step's (micro-)batches, ``job.step``, the gradient exchange with the control values, the update and its commit."""
+    """The synchronous step: a step's (micro-)batches, ``job.step``, the gradient
+    exchange with the control values, the update and its commit."""
 
     def _keep_in_flight(self, batches: int) -> None:
         """At a step's (round's) start: what it may change, for a recovery to undo. The
@@ -181,6 +184,8 @@ class StepLoop:
             faults.point("gradient", st.step)
             stats = self.optimizer.synchronize()
         except world_mod.FAILURES as exc:
+            # In the user's code no exception may go: the recovery runs here, and the loop's
+            # scope restarts the step when the loop asks for the next batch.
             self._recover(exc, step_given_up=True)  # or ends the job
             return False
         self._slow_down(self.options.slow_comm, time.perf_counter() - t1)  # --slow-comm

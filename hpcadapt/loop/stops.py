@@ -1,4 +1,5 @@
-"""How training stops and resumes: a stop signal or file, divergence, checkpoints (periodic and at a stop), the resume, and the end of the job (summary, exit code).
+"""How training stops and resumes: a stop signal or file, divergence, checkpoints (periodic and
+at a stop), the resume, and the end of the job (summary, exit code).
 
 A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
 ``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
@@ -26,8 +27,10 @@ __all__ = ["StopsAndCheckpoints"]
 
 log = logging.getLogger("hpcadapt.job")
 
+
 class StopsAndCheckpoints:
-    """How training stops and resumes: a stop signal or file, divergence, checkpoints (periodic and at a stop), the resume, and the end of the job (summary, exit code)."""
+    """How training stops and resumes: a stop signal or file, divergence, checkpoints
+    (periodic and at a stop), the resume, and the end of the job (summary, exit code)."""
 
     def _resume(self, path: str) -> bool:
         """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""

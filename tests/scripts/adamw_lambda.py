@@ -36,6 +36,7 @@ def main():
         for x, y in loader:
             used.append({"lrs": [g["lr"] for g in optimizer.param_groups],
                          "global": job.global_batch_size, "local": job.local_batch_size,
+                         "loader_batch": loader.batch_size,
                          "accumulation": job.accumulation_steps, "seen": job.samples_seen,
                          "epochs": job.epoch_progress, "steps": job.scale_invariant_steps,
                          "size": len(loader.dataset)})
