@@ -422,12 +422,3 @@ def _options_of(args: Optional[argparse.Namespace], keywords: Mapping[str, Any])
         log.warning("%s", message)
     policies = build_policies(args) if getattr(args, "policy", None) else []
     return JobOptions.from_args(args, **dict({"policies": policies}, **keywords))
-
-
-
-
-
-
-
-
-

@@ -454,13 +454,20 @@ def test_a_stop_signal_during_a_recovery_stops_the_job_saved_and_it_resumes(tmp_
 
 
 def test_twenty_random_kills_are_each_survived(tmp_path):
-    """Twenty launches, each losing a random rank at a random step: 20 of 20 finish."""
+    """Twenty launches, each losing a random rank at a random step: 20 of 20 recover, train
+    on and finish when told. Each trains until its stop file appears, so the kill always
+    lands while it trains (with a fixed number of epochs a kill polled near the last step
+    could land after training ended, on a fast machine)."""
     rng = random.Random(24)
     for i in range(20):
         victim, at = rng.randrange(4), rng.randrange(5, 80)
-        run = Launch(tmp_path, 4, _short(2), name=f"run{i}")
+        stop = tmp_path / f"STOP{i}"
+        run = Launch(tmp_path, 4, _short(1000, "--stop-file", str(stop)), name=f"run{i}")
         run.wait_for_step(at)
         run.kill([victim])
+        recovered = run.wait_for(lambda: run.rows("failure"), f"the recovery of kill {i}")[0]
+        run.wait_for_step(recovered["step"] + 5)
+        stop.write_text("")
         code = run.finish()
         assert code == 0, f"kill {i} (rank {victim} at step {at}):\n{run.stderr()[-3000:]}"
         assert [f["dead"] for f in run.rows("failure")] == [[victim]], i

@@ -8,6 +8,7 @@ is named by its launcher's rank variables and simply exits."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -16,7 +17,7 @@ from typing import Callable, Optional, Tuple
 
 from hpcadapt.base import config
 
-__all__ = ["install_abort_on_exception", "set_failure_handler", "is_first_rank"]
+__all__ = ["install_abort_on_exception", "set_failure_handler", "is_first_rank", "end_process"]
 
 _failure_handler: Optional[Callable[[BaseException], None]] = None
 _ABORT_GRACE_S = 10.0  # how long MPI_Abort may take before the process ends itself
@@ -25,6 +26,16 @@ _ABORT_GRACE_S = 10.0  # how long MPI_Abort may take before the process ends its
 def is_first_rank() -> bool:
     """Whether this process speaks for its launch (rank 0, or no launcher)."""
     return config.launch_rank() in (None, 0)
+
+
+def end_process(code: int) -> None:
+    """End this process now with ``code``: the log and the standard streams flushed, then
+    ``os._exit`` (no interpreter teardown: a call blocked on a dead peer, or MPI's exit with
+    one, cannot be left any other way). Never returns."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def set_failure_handler(handler: Optional[Callable[[BaseException], None]]) -> None:

@@ -12,16 +12,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
-
 from hpcadapt.base import faults
 from hpcadapt.base.errors import HpcAdaptError
-from hpcadapt.base.metrics import DecisionRecord
+from hpcadapt.base.metrics import DecisionRecord, StrategyRecord, TopologyRecord
 from hpcadapt.base.plan import Plan
 from hpcadapt.base.strategy import Strategy
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 
-from hpcadapt.base.metrics import StrategyRecord, TopologyRecord
 __all__ = ["Boundary"]
 
 log = logging.getLogger("hpcadapt.job")
@@ -194,7 +192,7 @@ class Boundary:
         reduction order); out of bounded delay rank 0's optimizer state is broadcast.
         A peer dying in these collectives goes to the caller's recovery: the plan is then
         dropped and the old strategy kept (the cluster version went up)."""
-        from hpcadapt.parallel.optimizer import broadcast_optimizer_state, broadcast_parameters
+        from hpcadapt.parallel.broadcasts import broadcast_optimizer_state, broadcast_parameters
 
         st = self.state
         old = st.strategy
@@ -214,9 +212,12 @@ class Boundary:
                                      root=0, world=self.world)
                 broadcast_optimizer_state(self.optimizer.optimizer, root=0, world=self.world)
             except world_mod.FAILURES:
-                log.error("strategy switch %s -> %s discarded (a peer died in it); training "
-                          "goes on with %s after the recovery", old.name, new.name,
-                          old.describe())
+                # (rank 0 of the world that switched; if it is the one that died, the
+                # recovery's line alone says what happened)
+                if self.world.rank == 0:
+                    log.error("strategy switch %s -> %s discarded (a peer died in it); "
+                              "training goes on with %s after the recovery", old.name,
+                              new.name, old.describe())
                 raise
             identical = self.replicas_identical() if self.options.check_replicas else None
         elif old.asynchronous and self.world.size > 1:

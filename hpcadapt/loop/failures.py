@@ -9,21 +9,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 import zlib
 from dataclasses import asdict
 
 import numpy as np
 
-from hpcadapt.base import agent_files as agent, config, faults
-from hpcadapt.base.metrics import MetricsSink
+from hpcadapt.base import agent_files as agent, config, faults, lifecycle
+from hpcadapt.base.metrics import FailureRecord, MetricsSink, RecoveryRecord
 from hpcadapt.base.preemption import EXIT_REQUEUE
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.world import CommView
 from hpcadapt.state.rollback import StepCommit
 
-from hpcadapt.base.metrics import FailureRecord, RecoveryRecord
 __all__ = ["FailureHandling"]
 
 log = logging.getLogger("hpcadapt.job")
@@ -91,10 +89,7 @@ class FailureHandling:
         if self.world.rank == 0:
             agent.record_exit_code(code)
         world_mod.leave_with_launch_siblings(5.0)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        lifecycle.end_process(code)
 
     def _recover(self, exc: BaseException, *, step_given_up: bool = False) -> None:
         """A peer died in the middle of a step or at its boundary. The survivors agree on

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from hpcadapt.base import faults
+from hpcadapt.base import faults, lifecycle
 from hpcadapt.base.errors import ConfigurationError, MembershipError
 from hpcadapt.base.options import JobOptions
 from hpcadapt.base.metrics import ResizeRecord
@@ -297,8 +297,7 @@ class MembershipChanges:
             port = ticket.wait_for_port()
         except MembershipError as exc:
             log.info("not joining (%s): this worker exits", exc)
-            logging.shutdown()
-            os._exit(3)
+            lifecycle.end_process(3)
 
         try:
             with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
@@ -476,7 +475,7 @@ class MembershipChanges:
 
         if MPI.COMM_WORLD.Get_size() > 1 or flavour().open_mpi:
             sys.exit(0)
-        os._exit(0)
+        lifecycle.end_process(0)
 
 
 def MPI_COMM_NULL():
@@ -489,9 +488,7 @@ def _give_up_join(reason) -> None:
     """A joining worker whose join failed (or whose watchdog expired, from its thread): one
     line, then exit 3 at once (a blocked MPI call cannot be left any other way)."""
     log.error("the join was given up (%s): this worker exits", reason)
-    logging.shutdown()
-    sys.stderr.flush()
-    os._exit(3)
+    lifecycle.end_process(3)
 
 
 def build_allocator(options: JobOptions, rank: int):

@@ -42,7 +42,7 @@ class BoundedDelayRounds:
         (the round is trained again from the agreed state)."""
         from hpcadapt.parallel.bounded import Aggregator, AsyncWorker, FlatModel
         from hpcadapt.comm.collectives import MPICommunicator
-        from hpcadapt.parallel.optimizer import broadcast_parameters
+        from hpcadapt.parallel.broadcasts import broadcast_parameters
 
         st, o = self.state, self.options
         strategy, batch = st.strategy, st.hyper.batch_size

@@ -13,16 +13,14 @@ import os
 import sys
 from typing import Any, Dict
 
-
 from hpcadapt.base import agent_files as agent
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
-from hpcadapt.base.metrics import json_safe
+from hpcadapt.base.metrics import ResumeRecord, StopRecord, json_safe
 from hpcadapt.base.preemption import EXIT_REQUEUE
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 from hpcadapt.state.training import checkpoint_step, optimizer_settings
 
-from hpcadapt.base.metrics import ResumeRecord, StopRecord
 __all__ = ["StopsAndCheckpoints"]
 
 log = logging.getLogger("hpcadapt.job")

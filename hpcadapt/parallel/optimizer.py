@@ -600,5 +600,3 @@ def _one_device(named) -> torch.device:
                 f"parameter {name!r} is on {p.device} and {first_name!r} on {first.device}: "
                 f"move the whole model to one device before wrapping its optimizer")
     return first.device
-
-

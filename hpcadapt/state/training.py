@@ -196,7 +196,7 @@ class TrainingState:
         """Make every rank of ``view`` (a communicator view) hold the state of rank
         ``root`` (``is_root`` on that one); returns the root's cluster version."""
         from hpcadapt.comm.tell import root_tells
-        from hpcadapt.parallel.optimizer import broadcast_optimizer_state, broadcast_parameters
+        from hpcadapt.parallel.broadcasts import broadcast_optimizer_state, broadcast_parameters
 
         meta = root_tells(self.meta(view.version) if is_root else None, view, root=root,
                           what="the training state's broadcast")
