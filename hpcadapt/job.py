@@ -24,7 +24,6 @@ import os
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -37,7 +36,7 @@ from hpcadapt.base.preemption import StopSignals
 from hpcadapt.base.strategy import Strategy
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
-from hpcadapt.data.loader import ElasticDataLoader, WalkKey, split_micro
+from hpcadapt.data.loader import ElasticDataLoader, WalkKey
 from hpcadapt.loop.boundary import Boundary
 from hpcadapt.loop.control import StepTimes
 from hpcadapt.loop.engine import PolicyEngine
@@ -45,6 +44,7 @@ from hpcadapt.loop.failures import FailureHandling
 from hpcadapt.loop.membership import MembershipChanges
 from hpcadapt.loop.monitor import GradientNoiseScale, MonitorConfig
 from hpcadapt.loop.monitoring import Monitoring
+from hpcadapt.loop.progress import TrainingProgress
 from hpcadapt.loop.rounds import BoundedDelayRounds
 from hpcadapt.loop.setup_checks import SetUpChecks
 from hpcadapt.loop.steps import StepLoop
@@ -59,8 +59,8 @@ __all__ = ["Job", "JobOptions", "StepTimes"]
 log = logging.getLogger(__name__)
 
 
-class Job(SetUpChecks, StepLoop, BoundedDelayRounds, Boundary, MembershipChanges,
-          FailureHandling, Monitoring, StopsAndCheckpoints):
+class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
+          MembershipChanges, FailureHandling, Monitoring, StopsAndCheckpoints):
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
@@ -276,46 +276,6 @@ class Job(SetUpChecks, StepLoop, BoundedDelayRounds, Boundary, MembershipChanges
         """The number of committed steps: a step given up by a recovery is not counted,
         and the user's code after its ``job.step`` is undone at the loop's next batch."""
         return self.state.step if self.state is not None else 0
-
-    @property
-    def global_batch_size(self) -> int:
-        """The global batch of the next step (policies change it)."""
-        return self._require_setup().hyper.batch_size
-
-    @property
-    def local_batch_size(self) -> int:
-        """This rank's share of the current step's global batch (0 for an empty share)."""
-        if self._part is not None:
-            return len(self._part.indices)
-        return len(self._require_setup().sampler.peek(self.global_batch_size, self.rank,
-                                                      self.size).indices)
-
-    @property
-    def accumulation_steps(self) -> int:
-        """The micro-batches this rank's share is cut into (``--max-local-batch``): the
-        batches the loader yields, and ``job.step`` calls, per step."""
-        return max(1, len(split_micro(np.arange(self.local_batch_size),
-                                      self.options.max_local_batch)))
-
-    @property
-    def samples_seen(self) -> int:
-        """Samples trained on in committed steps, over all epochs (the global cursor)."""
-        st = self._require_setup()
-        return st.epoch * st.sampler.num_samples + st.sampler.cursor
-
-    @property
-    def epoch_progress(self) -> float:
-        """Training progress in epochs, as a float (2.5: half-way through the third)."""
-        st = self._require_setup()
-        return self.samples_seen / st.sampler.num_samples
-
-    @property
-    def scale_invariant_steps(self) -> float:
-        """The steps a run at the starting global batch would have taken for the samples
-        seen so far (AdaptDL's progress): a step-based LR schedule keyed on this is the
-        same whatever batch sizes the policies chose (see ``hpcadapt.ProgressLR``)."""
-        st = self._require_setup()
-        return self.samples_seen / st.origin["batch_size"]
 
     def epochs(self, count: int) -> Iterator[int]:
         """Yield the epochs still to train (a resumed or joined worker starts where the job
