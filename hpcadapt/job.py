@@ -51,7 +51,8 @@ from hpcadapt.loop.steps import StepLoop
 from hpcadapt.loop.stops import StopsAndCheckpoints
 from hpcadapt.parallel.optimizer import DistributedOptimizer
 from hpcadapt.state.rollback import StepCommit
-from hpcadapt.state.training import HyperParams, TrainingState, UserState, momentum_of
+from hpcadapt.state.training import (HyperParams, TrainingState, UserState, momentum_of,
+                                     reference_lr)
 
 
 __all__ = ["Job", "JobOptions", "StepTimes"]
@@ -229,8 +230,8 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
             extra_slots=self._control_layout().length, data_plane=self._data_plane(model),
             buffers=model.buffers() if o.broadcast_buffers else ())
         group = optimizer.param_groups[0]
-        hyper = HyperParams(batch_size=loader.batch_size, lr=float(group["lr"]),
-                            momentum=float(momentum_of(group)), base_lr=float(group["lr"]),
+        hyper = HyperParams(batch_size=loader.batch_size, lr=reference_lr(group),
+                            momentum=float(momentum_of(group)), base_lr=reference_lr(group),
                             base_batch_size=loader.batch_size)
         monitors = list(dict.fromkeys(list(o.monitors) + self.engine.required_monitors))
         self.monitor_cfg = MonitorConfig(tuple(monitors), self._monitor_interval(),

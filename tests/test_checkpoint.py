@@ -167,7 +167,7 @@ def _nan_momentum_buffer(blob):
     (_set("meta", "hyper", "batch_size", value=10 ** 12), "its batch size is 1000000000000"),
     (_set("meta", "hyper", "lr", value=float("nan")), "its lr is nan"),
     (_set("meta", "hyper", "momentum", value=float("-inf")), "its momentum is -inf"),
-    (_set("meta", "applied_lr", value=0.0), "its applied lr is 0.0"),
+    (_set("meta", "origin", "lr", value=0.0), "its starting lr is 0.0"),
     (_set("meta", "accuracy", value=7.0), "its accuracy is 7.0"),
     (_set("meta", "gns", "g", value=float("inf")), "its noise scale statistic g is inf"),
     (_set("meta", "version", value="two"), "its cluster version is 'two', not a number"),

@@ -236,7 +236,7 @@ class FailureHandling:
         model averaging the replicas differ by design), so equal fingerprints need no state
         broadcast."""
         st = self.state
-        plain = json.dumps([st.epoch, st.sampler.cursor, asdict(st.hyper), st.applied_lr,
+        plain = json.dumps([st.epoch, st.sampler.cursor, asdict(st.hyper),
                             st.strategy.to_dict(), st.topology], sort_keys=True, default=str)
         # A joiner that has no state yet (a death during its join) counts as step -1.
         mine = np.array([st.step if self._holds_state else -1, zlib.crc32(plain.encode()),

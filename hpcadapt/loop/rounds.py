@@ -20,7 +20,7 @@ import torch
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.collectives import ReduceOp
 from hpcadapt.data.loader import split_micro
-from hpcadapt.state.training import optimizer_settings
+from hpcadapt.state.training import optimizer_settings, rates_scaled
 
 from hpcadapt.base.metrics import BoundedDelayRecord
 __all__ = ["BoundedDelayRounds"]
@@ -80,7 +80,8 @@ class BoundedDelayRounds:
             self._step_open = False
             raise  # the loop's recovery scope: the round is trained again from the commit
         step0 = st.step
-        self._used_settings = optimizer_settings(self.optimizer.optimizer)
+        with rates_scaled(self.optimizer.optimizer, st.rate_factor()):
+            self._used_settings = optimizer_settings(self.optimizer.optimizer)
         st.sampler.advance(count)
         st.step += steps
         self._in_flight = None  # committed
@@ -131,15 +132,8 @@ class BoundedDelayRounds:
         inner = self.optimizer.optimizer
         h = self.state.hyper
         rate = h.lr_at(step) if h.ramp is not None else h.lr
-        factor = rate / self.state.applied_lr * samples / batch
-        rates = [g["lr"] for g in inner.param_groups]
-        for g, lr in zip(inner.param_groups, rates):
-            g["lr"] = lr * factor
-        try:
+        with rates_scaled(inner, rate / self.state.origin["lr"] * samples / batch):
             inner.step()
-        finally:
-            for g, lr in zip(inner.param_groups, rates):
-                g["lr"] = lr
 
     def _round_control(self, report) -> np.ndarray:
         """The control slots of a round: rank 0 fills the loss and each worker's mean time

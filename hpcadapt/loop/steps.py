@@ -24,7 +24,7 @@ from hpcadapt.data.loader import WalkKey, split_micro
 from hpcadapt.loop.control import ControlLayout
 from hpcadapt.parallel.optimizer import GradientStats
 from hpcadapt.state.rollback import StepCommit
-from hpcadapt.state.training import optimizer_settings
+from hpcadapt.state.training import optimizer_settings, rates_scaled
 
 __all__ = ["StepLoop"]
 
@@ -78,13 +78,13 @@ class StepLoop:
                                          "loader yields")
 
     def _follow_ramp(self) -> None:
-        """The rate of this step (a batch change's ramp moves it), set on the optimizer."""
+        """The reference rate of this step (a batch change's ramp moves it); the update
+        applies it on top of the user's rates (``rates_scaled``)."""
         h = self.state.hyper
         if h.ramp is not None:
             h.lr = h.lr_at(self.state.step)
             if self.state.step - h.ramp[0] >= h.ramp[1]:
                 h.ramp = None
-        self._apply_lr(h.lr)
 
     def _begin_step(self):
         st = self.state
@@ -197,10 +197,11 @@ class StepLoop:
         grads_finite = not (self.monitored and self.world.size > 1
                             and not math.isfinite(stats.global_sqnorm))
         finite = math.isfinite(self.last_loss) and (grads_finite or scaler is not None)
-        self._used_settings = optimizer_settings(self.optimizer.optimizer)
+        inner = self.optimizer.optimizer
+        with rates_scaled(inner, st.rate_factor()):
+            self._used_settings = optimizer_settings(inner)
         if finite:
             self._nonfinite_run = 0
-            inner = self.optimizer.optimizer
             if scaler is not None:
                 scale = float(scaler.get_scale())
                 scaler.unscale_(inner)  # the averaged gradients, identical on every rank
@@ -214,10 +215,12 @@ class StepLoop:
             self._keep_previous_gradients()
             if clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_grad_norm)
-            if scaler is None:
-                inner.step()
-            else:
-                scaler.step(inner)
+            with rates_scaled(inner, st.rate_factor()):
+                if scaler is None:
+                    inner.step()
+                else:
+                    scaler.step(inner)
+            if scaler is not None:
                 scaler.update()
                 if float(scaler.get_scale()) < scale:
                     self._prev_grads = None  # an overflow: no gradient to compare with
@@ -290,16 +293,6 @@ class StepLoop:
         self._stop_requested = reading.stop_signal
         self._finish_requested = reading.stop_file
         self._round_nonfinite = reading.nonfinite_updates
-
-    def _apply_lr(self, lr: float) -> None:
-        """Move every param group's rate by the factor the reference rate moved (groups keep
-        their ratios; a user's scheduler composes with it)."""
-        if lr == self.state.applied_lr:
-            return
-        factor = lr / self.state.applied_lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["lr"] * factor
-        self.state.applied_lr = lr
 
     def _apply_momentum(self, momentum: float) -> None:
         applied = False

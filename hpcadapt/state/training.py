@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterator, Mapping, MutableMapping, Optional
 
@@ -148,11 +149,15 @@ class TrainingState:
         # The number of workers training when this state was written (a resume grows back).
         self.world_size = 1
         self.last_accuracy = float("nan")
-        # The reference rate the param groups hold now (they move by lr / applied_lr).
-        self.applied_lr = hyper.lr
         # The settings training started with: a resume must start from the same ones.
         self.origin = {"lr": hyper.lr, "batch_size": hyper.batch_size,
                        "momentum": hyper.momentum}
+
+    def rate_factor(self) -> float:
+        """How far the policies moved the rate: the reference rate now over the one training
+        started with. It multiplies whatever rate the user's optimizer and scheduler hold,
+        during the update only (see ``rates_scaled``)."""
+        return self.hyper.lr / self.origin["lr"]
 
     # -- plain part ------------------------------------------------------------------------
     def meta(self, cluster_version: int) -> Dict[str, Any]:
@@ -162,7 +167,7 @@ class TrainingState:
         return {"step": self.step, "epoch": self.epoch, "hyper": hyper,
                 "sampler": self.sampler.state_dict(), "gns": self.gns.state_dict(),
                 "rng": torch.get_rng_state(), "version": cluster_version,
-                "accuracy": self.last_accuracy, "applied_lr": self.applied_lr,
+                "accuracy": self.last_accuracy,
                 # Policies decide on rank 0 only; their state matters for a checkpoint.
                 "policies": self.policies.state_dict() if self.policies is not None else {},
                 "user": self.user.state_dict(), "origin": dict(self.origin),
@@ -178,7 +183,6 @@ class TrainingState:
         self.gns.load_state_dict(meta["gns"])
         torch.set_rng_state(meta["rng"])
         self.last_accuracy = float(meta["accuracy"])
-        self.applied_lr = float(meta["applied_lr"])
         if self.policies is not None and meta.get("policies"):
             self.policies.load_state_dict(meta["policies"])
         self.user.load_state_dict(meta["user"])
@@ -288,7 +292,6 @@ class TrainingState:
                 _whole("ramp steps", steps)
                 _finite("ramp start lr", start_lr, positive=True)
                 _finite("ramp end lr", end_lr, positive=True)
-            _finite("applied lr", meta["applied_lr"], positive=True)
             if not math.isnan(_number("accuracy", meta["accuracy"])):
                 _finite("accuracy", meta["accuracy"], low=0.0, high=1.0)
             for key in ("g", "s", "weight"):
@@ -298,9 +301,10 @@ class TrainingState:
                 _finite("noise scale ema", gns["ema"], positive=True, high=1.0)
             if "base_batch" in gns:
                 _whole("noise scale base batch", gns["base_batch"])
-            for key in ("lr", "momentum"):
-                if key in origin:
-                    _finite(f"starting {key}", origin[key], low=0.0)
+            if "lr" in origin:   # the policies' rate factor divides by it
+                _finite("starting lr", origin["lr"], positive=True)
+            if "momentum" in origin:
+                _finite("starting momentum", origin["momentum"], low=0.0)
             if "batch_size" in origin:
                 _whole("starting batch size", origin["batch_size"], low=1, high=total)
         except (KeyError, TypeError) as exc:
@@ -427,6 +431,33 @@ def checkpoint_step(path: str) -> Optional[int]:
         return int(read_checkpoint(path)["meta"]["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def reference_lr(group: Mapping[str, Any]) -> float:
+    """A param group's reference rate: the ``initial_lr`` a torch scheduler records (a
+    scheduler made before ``job.setup`` may have set the rate to its warm-up's 0 already),
+    else its rate."""
+    return float(group.get("initial_lr", group["lr"]))
+
+
+@contextmanager
+def rates_scaled(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """Every param group's rate times ``factor`` inside the block, then exactly what it was.
+
+    AdaptDL's convention for scaling rules: the policies' factor applies on top of whatever
+    the user's scheduler set, and the scheduler never sees it. A scheduler that writes the
+    rate (LambdaLR, OneCycleLR) and one that reads it back to chain (CosineAnnealingLR,
+    ExponentialLR) both keep their own arithmetic, so ``--lr-rule`` and a schedule compose."""
+    groups = optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    if factor != 1.0:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr * factor
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
