@@ -102,7 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     m.add_argument("--monitor-interval", type=positive_int, default=1,
                    help="compute gradient statistics every N steps")
     m.add_argument("--monitor-ema", type=_fraction_open, default=0.1,
-                   help="weight of the newest estimate in the moving averages")
+                   help="weight of the newest estimate in the moving averages (at the first "
+                        "batch; see --monitor-window)")
+    m.add_argument("--monitor-window", type=_non_negative_int, default=0, metavar="SAMPLES",
+                   help="memory of the noise scale's moving averages in samples: a rising "
+                        "noise scale is followed one window late, and the estimate's error "
+                        "shrinks as the window grows (0: from --monitor-ema at the first batch)")
     y = parser.add_argument_group("synchronisation strategy (switchable by the sync-switch "
                                   "policy)")
     y.add_argument("--strategy", choices=list(STRATEGIES), default="ssgd",

@@ -235,9 +235,10 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
                             base_batch_size=loader.batch_size)
         monitors = list(dict.fromkeys(list(o.monitors) + self.engine.required_monitors))
         self.monitor_cfg = MonitorConfig(tuple(monitors), self._monitor_interval(),
-                                         o.monitor_ema)
+                                         o.monitor_ema, o.monitor_window)
         self.state = TrainingState(model, optimizer, loader.sampler, hyper,
-                                   GradientNoiseScale(o.monitor_ema), self.extra, self.engine)
+                                   GradientNoiseScale(o.monitor_ema, o.monitor_window),
+                                   self.extra, self.engine)
         self.state.strategy = self._initial_strategy
         self.state.topology = o.topology
         loader.bind(self._batches, lambda: self.state.hyper.batch_size)

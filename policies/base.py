@@ -40,6 +40,10 @@ class MetricsSnapshot:
     trace_sigma: float = float("nan")
     grad_variance: float = float("nan")
     grad_snr: float = float("nan")
+    # The noise scale's 95% interval from the smoothed estimate's spread (NaN until known).
+    noise_scale_lo: float = float("nan")
+    noise_scale_hi: float = float("nan")
+    samples_seen: int = 0    # samples trained on in committed steps, all epochs together
     step_time: Tuple[float, ...] = ()
     compute_time: Tuple[float, ...] = ()
     wait_time: Tuple[float, ...] = ()

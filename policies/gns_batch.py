@@ -1,20 +1,49 @@
-"""``gns-batch``: grow the global batch while the gradient noise scale exceeds it.
+"""``gns-batch``: grow the global batch to the critical batch the gradient noise scale supports.
 
-The rule of McCandlish et al. as KungFu applies it: the noise scale B_noise is the batch at
-which gradient noise and signal balance; training below it wastes steps, so whenever
-B_noise > batch, multiply the batch by ``factor`` (clipped to [min, max]), then wait
-``cooldown`` steps for the estimate to settle at the new batch."""
+McCandlish et al. 2018: the noise scale B_noise = tr(Sigma) / |G|^2 is the batch at which the
+gradient's noise and signal balance; below it a step wastes little data and many steps, above
+it many samples. Training at B_noise spends about twice the fewest steps and twice the fewest
+samples, and B_noise rises as the loss falls, so the batch should rise with it (Merrill et al.
+2025 warm the batch up that way).
+
+The decision, every ``interval`` steps after ``warmup`` steps and both cooldowns:
+
+* the estimate is taken at a one-sided lower bound, ``confidence`` sure: the noise scale's
+  band (MetricsSnapshot.noise_scale_lo/hi, from the monitor's spread) gives its log-normal
+  error; no decision while that error cannot be told yet (an infinite band);
+* the target is ``fraction`` x that bound; the batch jumps straight there (not x2 per
+  decision), by at most ``factor`` at once, within [min, max], rounded down to a multiple of
+  the world size so that every rank's share is equal;
+* a change smaller than ``min-growth`` is not worth the disturbance (Pollux re-optimises only
+  for a gain of more than 5%; a batch change also restarts the rate's ramp); the batch never
+  shrinks.
+
+Cooldowns count samples (``cooldown-samples``) as well as steps: the monitor's memory is in
+samples, so after a change the estimate has seen new data only after so many samples, at any
+batch."""
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
 from typing import Any, Dict, Optional
 
 from hpcadapt.base.errors import ConfigurationError
 
 from .base import Decision, MetricsSnapshot, Param, Policy
-from .params import float_above, non_negative_int, positive_int
+from .params import float_above, non_negative_int, positive_float, positive_int
 
 __all__ = ["GNSBatchSize"]
+
+# The monitor's band is 95% two-sided (hpcadapt.loop.monitor.GradientNoiseScale.interval).
+_BAND_Z = 1.959963984540054
+
+
+def _confidence(text: str) -> float:
+    v = float(text) if text.strip() else math.nan
+    if not 0.5 <= v < 1.0:
+        raise ValueError(f"must be in [0.5, 1), got {text}")
+    return v
 
 
 class GNSBatchSize(Policy):
@@ -22,45 +51,83 @@ class GNSBatchSize(Policy):
     params = (
         Param("min", positive_int, 16, "smallest global batch the policy sets"),
         Param("max", positive_int, 1024, "largest global batch the policy sets"),
-        Param("factor", float_above(1.0), 2.0, "growth factor when the noise scale exceeds the batch"),
-        Param("cooldown", non_negative_int, 30, "steps to wait after any batch change"),
-        Param("interval", positive_int, 10, "monitor the noise scale and decide every N steps"),
-        Param("warmup", non_negative_int, 20, "steps before the first decision (the estimate settles)"),
+        Param("factor", float_above(1.0), 4.0, "largest growth of the batch in one decision"),
+        Param("min-growth", float_above(1.0), 1.25,
+              "smallest growth worth a change (the batch never shrinks)"),
+        Param("fraction", positive_float, 1.0,
+              "target batch as a fraction of the noise scale's lower bound"),
+        Param("confidence", _confidence, 0.8,
+              "how sure the lower bound of the noise scale is (one-sided, 0.5: the estimate)"),
+        Param("cooldown", non_negative_int, 0, "steps to wait after any batch change"),
+        Param("cooldown-samples", non_negative_int, 2048,
+              "samples to wait after any batch change"),
+        Param("interval", positive_int, 1, "monitor the noise scale and decide every N steps"),
+        Param("warmup", non_negative_int, 20, "steps before the first decision"),
     )
     requires = ("gns",)
     reads = ("noise_scale", "batch_size", "grad_sq", "trace_sigma")
 
-    def __init__(self, *, min: int = 16, max: int = 1024, factor: float = 2.0,
-                 cooldown: int = 30, interval: int = 10, warmup: int = 20):
+    def __init__(self, *, min: int = 16, max: int = 1024, factor: float = 4.0,
+                 min_growth: float = 1.25, fraction: float = 1.0, confidence: float = 0.8,
+                 cooldown: int = 0, cooldown_samples: int = 2048, interval: int = 1,
+                 warmup: int = 20):
         if min > max:
             raise ConfigurationError(
                 f"--gns-batch-min ({min}) must not exceed --gns-batch-max ({max})")
         if not factor > 1.0:
             raise ConfigurationError(f"--gns-batch-factor must be > 1, got {factor}")
+        if not min_growth > 1.0:
+            raise ConfigurationError(f"--gns-batch-min-growth must be > 1, got {min_growth}")
+        if not 0.5 <= confidence < 1.0:
+            raise ConfigurationError(f"--gns-batch-confidence must be in [0.5, 1), got {confidence}")
         self.min, self.max, self.factor = min, max, factor
-        self.cooldown, self.interval, self.warmup = cooldown, interval, warmup
+        self.min_growth, self.fraction = min_growth, fraction
+        self.z = NormalDist().inv_cdf(confidence)
+        self.cooldown, self.cooldown_samples = cooldown, cooldown_samples
+        self.interval, self.warmup = interval, warmup
         self.last_change = -10**9
+        self.last_change_samples = -10**18
+
+    def lower_bound(self, snap: MetricsSnapshot) -> float:
+        """The noise scale at the one-sided lower bound: the estimate itself where the
+        snapshot carries no band (NaN), 0 while its error cannot be told (an infinite band)."""
+        lo, hi = snap.noise_scale_lo, snap.noise_scale_hi
+        if math.isnan(lo) or math.isnan(hi):
+            return snap.noise_scale
+        if not (lo > 0 and math.isfinite(hi)):
+            return 0.0
+        sigma = math.log(hi / lo) / (2 * _BAND_Z)
+        return snap.noise_scale * math.exp(-self.z * sigma)
 
     def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
-        if snap.step < self.warmup or snap.step - self.last_change < self.cooldown:
+        if snap.step < self.warmup or snap.step - self.last_change < self.cooldown \
+                or snap.samples_seen - self.last_change_samples < self.cooldown_samples:
             return None
         batch = snap.batch_size
         if batch < self.min:
             return self.decision(f"batch {batch} is below --gns-batch-min", snap,
                                  batch_size=self.min)
-        if snap.noise_scale > batch and batch < self.max:
-            new = int(min(self.max, max(batch + 1, round(batch * self.factor))))
-            return self.decision(
-                f"noise scale {snap.noise_scale:.1f} exceeds batch {batch}: grow x{self.factor:g}",
-                snap, batch_size=new)
-        return None
+        if batch >= self.max:
+            return None
+        bound = self.lower_bound(snap)
+        target = min(float(self.max), batch * self.factor, self.fraction * bound)
+        step = max(1, snap.world_size)
+        new = int(target // step * step) if target < self.max else self.max
+        if new <= batch or (new < batch * self.min_growth and new < self.max):
+            return None
+        return self.decision(
+            f"noise scale {snap.noise_scale:.1f} (lower bound {bound:.1f}) supports batch "
+            f"{new} over {batch}", snap, batch_size=new)
 
     def on_decision(self, decision: Decision, snap: MetricsSnapshot) -> None:
         if decision.batch_size is not None:
             self.last_change = snap.step
+            self.last_change_samples = snap.samples_seen
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"last_change": self.last_change}
+        return {"last_change": self.last_change,
+                "last_change_samples": self.last_change_samples}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.last_change = int(state["last_change"])
+        self.last_change_samples = int(state.get("last_change_samples", -10**18))

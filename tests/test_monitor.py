@@ -169,27 +169,89 @@ def test_bad_monitor_config(kwargs, match):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks,batch", [(1, 32), (2, 32), (4, 30)])
+@pytest.mark.parametrize("ranks,batch", [(1, 256), (2, 256), (4, 250)])
 def test_the_job_measures_the_closed_form_through_its_data_path(tmp_path, ranks, batch):
     """The whole path (gradient hooks, buckets, the control reduction, the pairing of g_t
-    with g_t-1 at one rank) at 1, 2 and 4 ranks, unequal shares at 4 (30 = 8+8+7+7), a
-    monitoring interval of 5 and a short last batch each epoch: the smoothed estimates end
-    within 20% of the closed form (about 200 estimates, --monitor-ema 0.02)."""
+    with g_t-1 at one rank) at 1, 2 and 4 ranks, unequal shares at 4 (250 = 63+63+62+62),
+    every step monitored, a memory of 40,000 samples (--monitor-window) over 4 epochs of
+    32,000: the smoothed |G|^2, tr(Sigma) and noise scale end within 5% of the data set's
+    closed form (measured: 0.1-2.3%), and the estimate says how sure it is (a band of a few
+    percent around it)."""
     import json
 
     from conftest import ROOT, run_mpi
 
     metrics = tmp_path / "m.jsonl"
     proc = run_mpi(ranks, [str(ROOT / "tests" / "scripts" / "linreg_gns.py"), "--batch-size",
-                           str(batch), "--monitor", "gns", "--monitor-interval", "5",
-                           "--monitor-ema", "0.02", "--no-progress", "--metrics-file",
-                           str(metrics)], timeout=600)
+                           str(batch), "--epochs", "4", "--monitor", "gns",
+                           "--monitor-interval", "1", "--monitor-window", "40000",
+                           "--no-progress", "--metrics-file", str(metrics)], timeout=600)
     want = next(json.loads(l) for l in proc.stdout.splitlines()
                 if l.startswith('{"closed_form"'))["closed_form"]
     rows = [json.loads(l) for l in metrics.read_text().splitlines()]
     monitored = [r for r in rows if r["event"] == "step" and "noise_scale" in r["monitors"]]
-    assert len(monitored) >= 150
+    assert len(monitored) >= 480
     last = monitored[-1]["monitors"]
     for key in ("grad_sq", "trace_sigma", "noise_scale"):
-        assert last[key] == pytest.approx(want[key], rel=0.2), (key, last[key], want[key])
+        assert last[key] == pytest.approx(want[key], rel=0.05), (key, last[key], want[key])
+    assert last["noise_scale_lo"] < last["noise_scale"] < last["noise_scale_hi"]
+    assert last["noise_scale_hi"] / last["noise_scale_lo"] < 1.25
     assert last["grad_variance"] == pytest.approx(last["trace_sigma"] / batch, rel=1e-6)
+
+
+def _noiseless(g: float, s: float) -> NoiseEstimate:
+    return NoiseEstimate(g, s, 0.0)
+
+
+@pytest.mark.parametrize("batch", [16, 64, 256])
+def test_a_rising_noise_scale_is_followed_one_window_of_samples_late(batch):
+    """tr(Sigma) rising linearly in samples (|G|^2 fixed): an exponential memory of W samples
+    follows a ramp with a lag of W samples, at any batch: the estimate at sample n is the
+    truth at n - W (within 1%, once the start is forgotten)."""
+    window, rise = 4096, 0.01     # tr(Sigma) = 100 + 0.01 n
+    gns = GradientNoiseScale(window=window)
+    seen = 0
+    while seen < 20 * window:
+        seen += batch
+        # the step's estimate is the value at the middle of its batch
+        gns.update(_noiseless(1.0, 100 + rise * (seen - batch / 2)), batch)
+    lagged = 100 + rise * (seen - window)
+    assert gns.noise_scale == pytest.approx(lagged, rel=0.01)
+    assert gns.noise_scale < 100 + rise * seen   # behind the truth, never ahead
+
+
+def test_the_memory_counts_samples_not_steps():
+    """Two steps of 32 samples weigh what one of 64 does."""
+    a, b = GradientNoiseScale(window=1000), GradientNoiseScale(window=1000)
+    for gns, steps in ((a, [(32, 2.0), (32, 2.0)]), (b, [(64, 2.0)])):
+        gns.update(_noiseless(1.0, 10.0), 64)
+        for n, g in steps:
+            gns.update(_noiseless(g, 10.0), n)
+    assert a.grad_sq == pytest.approx(b.grad_sq, rel=1e-12)
+
+
+def test_the_band_covers_the_truth_about_as_often_as_it_says():
+    """Noisy per-step estimates (|G|^2 with the spread of a small batch): the 95% band holds
+    the true noise scale in about 95% of 300 seeded runs, and narrows as the memory grows."""
+    rng = np.random.default_rng(7)
+    true_g, true_s = 1.0, 50.0
+    covered, widths = 0, {2000: [], 8000: []}
+    for trial in range(300):
+        for window in (2000, 8000) if trial < 30 else (2000,):
+            gns = GradientNoiseScale(window=window)
+            noise = rng.normal(0, 1, size=(int(6 * window / 32), 2))
+            for eg, es in noise:
+                gns.update(NoiseEstimate(true_g + 0.8 * eg, true_s * (1 + 0.3 * es), 0.0), 32)
+            lo, hi = gns.interval()
+            if window == 2000:
+                covered += lo <= true_s / true_g <= hi
+            widths[window].append(hi / lo)
+    assert 0.88 <= covered / 300 <= 0.99
+    assert np.median(widths[8000]) < np.median(widths[2000])
+
+
+def test_the_band_is_open_until_the_error_can_be_told():
+    gns = GradientNoiseScale(window=1000)
+    assert all(math.isnan(v) for v in gns.interval())
+    gns.update(_noiseless(1.0, 10.0), 32)
+    assert gns.interval() == (0.0, math.inf)   # one estimate: no spread yet

@@ -1,5 +1,7 @@
 """Policies and the engine's decision logic, without MPI."""
 
+import math
+
 import pytest
 
 from hpcadapt import ConfigurationError
@@ -23,8 +25,47 @@ def test_gns_batch_grows_when_noise_scale_exceeds_batch():
     p = GNSBatchSize(min=16, max=1024, factor=2.0, cooldown=0, warmup=0)
     d = p.after_step(snap(noise_scale=100.0, batch_size=32))
     assert d.batch_size == 64 and d.policy == "gns-batch"
-    assert d.metrics["noise_scale"] == 100.0 and "exceeds" in d.reason
+    assert d.metrics["noise_scale"] == 100.0 and "supports batch 64" in d.reason
     assert p.after_step(snap(noise_scale=20.0, batch_size=32)) is None
+
+
+def test_gns_batch_jumps_to_the_batch_the_estimate_supports():
+    """Not x2 per decision: straight to the noise scale (within factor, rounded down to a
+    multiple of the world size), and not at all for a growth below min-growth."""
+    p = GNSBatchSize(min=16, max=4096, factor=8.0, warmup=0, cooldown_samples=0)
+    assert p.after_step(snap(noise_scale=203.0, batch_size=32, world_size=3)).batch_size == 201
+    assert p.after_step(snap(noise_scale=1000.0, batch_size=32)).batch_size == 256  # x8 at most
+    assert p.after_step(snap(noise_scale=38.0, batch_size=32)) is None   # 19% is not worth it
+    assert p.after_step(snap(noise_scale=9000.0, batch_size=1024)).batch_size == 4096  # to max
+
+
+def test_gns_batch_decides_on_a_lower_bound_of_the_noise_scale():
+    """A band of the monitor's (95%, two-sided, log-normal) makes the decision conservative:
+    at confidence 0.8 the bound is exp(-0.84 sigma) below the estimate; an estimate whose
+    error is not known yet (an infinite band) decides nothing."""
+    p = GNSBatchSize(min=16, max=4096, factor=8.0, warmup=0, cooldown_samples=0)
+    sigma = 0.5
+    band = dict(noise_scale=200.0, noise_scale_lo=200.0 * math.exp(-1.96 * sigma),
+                noise_scale_hi=200.0 * math.exp(1.96 * sigma))
+    d = p.after_step(snap(batch_size=32, **band))
+    bound = 200.0 * math.exp(-0.8416 * sigma)
+    assert d.batch_size == int(bound // 2 * 2)
+    assert p.after_step(snap(batch_size=32, noise_scale=200.0, noise_scale_lo=0.0,
+                             noise_scale_hi=math.inf)) is None
+    sure = GNSBatchSize(min=16, max=4096, factor=8.0, warmup=0, cooldown_samples=0,
+                        confidence=0.5)
+    assert sure.after_step(snap(batch_size=32, **band)).batch_size == 200
+
+
+def test_gns_batch_cooldown_counts_samples():
+    p = GNSBatchSize(min=16, max=4096, warmup=0, cooldown_samples=5000)
+    d = p.after_step(snap(noise_scale=100.0, batch_size=32, samples_seen=1000))
+    p.on_decision(d, snap(samples_seen=1000))
+    assert p.after_step(snap(noise_scale=400.0, batch_size=100, samples_seen=5999)) is None
+    assert p.after_step(snap(noise_scale=400.0, batch_size=100, samples_seen=6000)).batch_size == 400
+    restored = GNSBatchSize(min=16, max=4096, warmup=0, cooldown_samples=5000)
+    restored.load_state_dict(p.state_dict())
+    assert restored.after_step(snap(noise_scale=400.0, batch_size=100, samples_seen=5999)) is None
 
 
 def test_gns_batch_clips_to_max_and_respects_cooldown_and_warmup():

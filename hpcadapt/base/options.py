@@ -25,6 +25,7 @@ class JobOptions:
     monitors: List[str] = field(default_factory=list)
     monitor_interval: int = 1
     monitor_ema: float = 0.1
+    monitor_window: int = 0
     strategy: str = "ssgd"
     sma_alpha: float = 0.1
     local_sgd_period: int = 8

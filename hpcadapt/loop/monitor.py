@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:  # torch loads with the training, not with the flags (see hpcadapt.args)
     import torch
@@ -37,12 +37,14 @@ MONITORS = ("gns", "variance")
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """Which gradient monitors run, how often (every ``interval`` steps), and the EMA weight
-    of the newest estimate."""
+    """Which gradient monitors run, how often (every ``interval`` steps), and the moving
+    averages' memory: ``window`` samples, or (0) the EMA weight ``ema`` of the newest
+    estimate at the first batch."""
 
     monitors: Sequence[str] = ()
     interval: int = 1
     ema: float = 0.1
+    window: int = 0   # samples; 0: from ``ema`` at the first batch
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.monitors if m not in MONITORS]
@@ -52,6 +54,8 @@ class MonitorConfig:
             raise ConfigurationError(f"--monitor-interval must be at least 1, got {self.interval}")
         if not 0 < self.ema <= 1:
             raise ConfigurationError(f"--monitor-ema must be in (0, 1], got {self.ema}")
+        if self.window < 0:
+            raise ConfigurationError(f"--monitor-window must be 0 or more samples, got {self.window}")
 
     @property
     def enabled(self) -> bool:
@@ -103,18 +107,31 @@ def estimate_from_consecutive(g_now: Sequence["torch.Tensor"], g_prev: Sequence[
 
 
 class GradientNoiseScale:
-    """Separate moving averages of |G|^2 and tr(Sigma), and their ratio.
+    """Separate bias-corrected moving averages of |G|^2 and tr(Sigma), their ratio, and how
+    sure that ratio is.
 
-    Smoothing scales with the batch (AdaptDL's convention): an estimate from a batch of B
-    samples keeps a weight of (1 - ema)^(B/B0) for the old average, B0 being the batch of the
-    first estimate, so a step of twice the samples counts as two. Bias-corrected like Adam's
-    moments, so early values are not pulled towards zero."""
+    The memory is measured in samples, not steps (AdaptDL's convention): an estimate from a
+    batch of B samples keeps a weight of exp(-B / window) for the old average, so a step of
+    twice the samples counts as two, and a noise scale that rises linearly is followed with a
+    lag of one ``window`` of samples whatever the batch. ``window`` 0 derives it from ``ema``
+    at the first estimate's batch B0 (the weight of the newest estimate there:
+    window = B0 / -ln(1 - ema)). Bias-corrected like Adam's moments, so early values are not
+    pulled towards zero.
 
-    def __init__(self, ema: float = 0.1):
+    The uncertainty: the same weights average the estimates' squares and cross product, so
+    the spread of the per-step estimates and their covariance are known; divided by Kish's
+    effective number of estimates ((sum w)^2 / sum w^2) they give the variance of each
+    average, and the delta method gives the ratio's relative standard error. ``interval(z)``
+    is the noise scale's band at z standard errors, symmetric in log space (a ratio of
+    positive averages). It takes the per-step estimates as independent, which they are up to
+    the slow drift of the weights within the window."""
+
+    def __init__(self, ema: float = 0.1, window: float = 0.0):
         self.ema = ema
-        self._g = 0.0
-        self._s = 0.0
-        self._weight = 0.0
+        self.window = float(window)
+        self._g = self._s = 0.0            # weighted sums of the estimates
+        self._gg = self._ss = self._gs = 0.0  # ... of their squares and product
+        self._weight = self._weight_sq = 0.0
         self._base_batch = 0
         self.last: Optional[NoiseEstimate] = None
         self.skipped = 0
@@ -127,10 +144,18 @@ class GradientNoiseScale:
             return False
         if not self._base_batch:
             self._base_batch = batch or 1
-        keep = (1.0 - self.ema) ** ((batch or self._base_batch) / self._base_batch)
-        self._g = keep * self._g + (1 - keep) * est.grad_sq
-        self._s = keep * self._s + (1 - keep) * est.trace_sigma
-        self._weight = keep * self._weight + (1 - keep)
+        if self.window <= 0:
+            self.window = self._base_batch / -math.log1p(-self.ema) if self.ema < 1 else 1e-9
+        keep = math.exp(-(batch or self._base_batch) / self.window)
+        new = 1.0 - keep
+        g, s = est.grad_sq, est.trace_sigma
+        self._g = keep * self._g + new * g
+        self._s = keep * self._s + new * s
+        self._gg = keep * self._gg + new * g * g
+        self._ss = keep * self._ss + new * s * s
+        self._gs = keep * self._gs + new * g * s
+        self._weight = keep * self._weight + new
+        self._weight_sq = keep * keep * self._weight_sq + new * new
         self.last = est
         return True
 
@@ -150,6 +175,36 @@ class GradientNoiseScale:
             return float("nan")
         return max(self.trace_sigma, 0.0) / g
 
+    @property
+    def effective_count(self) -> float:
+        """Kish's effective number of estimates behind the averages."""
+        return self._weight ** 2 / self._weight_sq if self._weight_sq else 0.0
+
+    @property
+    def relative_error(self) -> float:
+        """The noise scale's relative standard error (delta method); inf while it cannot be
+        told (fewer than two effective estimates, no positive signal)."""
+        n, w = self.effective_count, self._weight
+        g, s = self.grad_sq, self.trace_sigma
+        if n < 2 or not (g > 0 and s > 0):
+            return math.inf
+        var_g = max(self._gg / w - g * g, 0.0) / n
+        var_s = max(self._ss / w - s * s, 0.0) / n
+        cov = (self._gs / w - g * s) / n
+        rel = var_s / (s * s) + var_g / (g * g) - 2.0 * cov / (s * g)
+        return math.sqrt(max(rel, 0.0))
+
+    def interval(self, z: float = 1.96) -> Tuple[float, float]:
+        """(low, high): the noise scale's band at ``z`` standard errors; (NaN, NaN) before
+        there is a noise scale, (0, inf) while its error cannot be told."""
+        b = self.noise_scale
+        if not math.isfinite(b):
+            return float("nan"), float("nan")
+        rel = self.relative_error
+        if not math.isfinite(rel):
+            return 0.0, math.inf
+        return b * math.exp(-z * rel), b * math.exp(z * rel)
+
     def snr(self, global_batch: int) -> float:
         """|G|^2 / (tr(Sigma) / B): how far the batch gradient's signal stands above its noise."""
         s = self.trace_sigma
@@ -158,10 +213,15 @@ class GradientNoiseScale:
         return self.grad_sq / (s / global_batch)
 
     def state_dict(self) -> Dict[str, float]:
-        return {"g": self._g, "s": self._s, "weight": self._weight, "ema": self.ema,
-                "base_batch": self._base_batch}
+        return {"g": self._g, "s": self._s, "gg": self._gg, "ss": self._ss, "gs": self._gs,
+                "weight": self._weight, "weight_sq": self._weight_sq, "ema": self.ema,
+                "window": self.window, "base_batch": self._base_batch}
 
     def load_state_dict(self, state: Dict[str, float]) -> None:
         self._g, self._s = float(state["g"]), float(state["s"])
         self._weight, self.ema = float(state["weight"]), float(state["ema"])
         self._base_batch = int(state.get("base_batch", 0))
+        # Written before the uncertainty was kept: the band starts anew (inf until known).
+        self._gg, self._ss = float(state.get("gg", 0.0)), float(state.get("ss", 0.0))
+        self._gs, self._weight_sq = float(state.get("gs", 0.0)), float(state.get("weight_sq", 0.0))
+        self.window = float(state.get("window", self.window))

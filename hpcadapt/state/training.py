@@ -294,7 +294,7 @@ class TrainingState:
                 _finite("ramp end lr", end_lr, positive=True)
             if not math.isnan(_number("accuracy", meta["accuracy"])):
                 _finite("accuracy", meta["accuracy"], low=0.0, high=1.0)
-            for key in ("g", "s", "weight"):
+            for key in ("g", "s", "weight", "gg", "ss", "gs", "weight_sq", "window"):
                 if key in gns:
                     _finite(f"noise scale statistic {key}", gns[key])
             if "ema" in gns:
