@@ -59,12 +59,23 @@ def _run(tmp_path, scheduler, rule):
 @pytest.mark.parametrize("rule", ["none", "linear", "sqrt", "adascale"])
 @pytest.mark.parametrize("scheduler", ["lambda", "onecycle", "cosine", "progress"])
 def test_the_rule_multiplies_what_the_users_scheduler_set(tmp_path, scheduler, rule):
+    _check(tmp_path, scheduler, rule)
+
+
+@pytest.mark.slow
+def test_a_schedule_keyed_on_adascales_gain(tmp_path):
+    """ProgressLR(key="gain") steps the schedule by AdaScale's accumulated gain."""
+    _check(tmp_path, "progress-gain", "adascale")
+
+
+def _check(tmp_path, scheduler, rule):
     mine, used = _run(tmp_path, scheduler, rule)
     assert [r["step"] for r in mine] == list(range(STEPS))
     # The scheduler's own rates are what it gives on a plain optimizer: the rule never leaks
     # into them (a chained CosineAnnealingLR would compound it).
-    if scheduler == "progress":
-        counts = [0] + [math.floor(r["si_steps"] + 1e-9) for r in mine[:-1]]
+    if scheduler.startswith("progress"):
+        key = "gain_steps" if scheduler == "progress-gain" else "si_steps"
+        counts = [0] + [math.floor(r[key] + 1e-9) for r in mine[:-1]]
         ref = _reference(scheduler, max(counts) + 1)
         want = [ref[c] for c in counts]
     else:
@@ -86,3 +97,9 @@ def test_the_rule_multiplies_what_the_users_scheduler_set(tmp_path, scheduler, r
         # AdaScale's gain at a batch 4x the base lies in [1, 4] and moves with the estimates.
         assert all(1.0 <= f <= SCALE + 1e-9 for f in after)
         assert max(after) > 1.05
+    # Each step's progress in gain_steps: AdaScale's gain (the factor the update used) under
+    # the adascale rule, else the step's batch over the starting one (scale-invariant steps).
+    gains = [b["gain_steps"] - a["gain_steps"] for a, b in zip([{"gain_steps": 0.0}] + mine, mine)]
+    for r, gain, f in zip(mine, gains, factors):
+        want = f if rule == "adascale" else used[r["step"]]["batch_size"] / 16
+        assert gain == pytest.approx(want, rel=1e-9), (r["step"], gain, want)

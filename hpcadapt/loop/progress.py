@@ -13,6 +13,7 @@ from typing import Any, Dict
 
 import numpy as np
 
+from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.data.loader import split_micro
 
 __all__ = ["ProgressLR", "TrainingProgress"]
@@ -62,17 +63,31 @@ class TrainingProgress:
         st = self._require_setup()
         return self.samples_seen / st.origin["batch_size"]
 
+    @property
+    def gain_steps(self) -> float:
+        """AdaScale's scale-invariant iterations: each committed step adds its gain r (the
+        ``--lr-rule adascale`` factor, 1 <= r <= B/B0) and, under any other rule, B/B0 (so
+        it equals ``scale_invariant_steps``). A schedule keyed on it
+        (``ProgressLR(sched, job, key="gain")``) is AdaScale's: it moves as fast as the
+        gradient's information, not its samples."""
+        return self._require_setup().gain_steps
+
 
 class ProgressLR:
     """``ProgressLR(scheduler, job)``: call ``step()`` after every ``job.step(...)`` as you
     would call ``scheduler.step()``; it steps ``scheduler`` as many times as the job's
     ``scale_invariant_steps`` moved (0 or more). Register it with the job
     (``extra={"scheduler": sched}``) so that it travels with resizes, recoveries and
-    checkpoints. Write the wrapped schedule in steps at the starting global batch."""
+    checkpoints. Write the wrapped schedule in steps at the starting global batch.
+    ``key="gain"`` keys it on ``job.gain_steps`` instead (AdaScale's progress, with
+    ``--lr-rule adascale``)."""
 
-    def __init__(self, scheduler: Any, job: Any):
+    def __init__(self, scheduler: Any, job: Any, *, key: str = "samples"):
+        if key not in ("samples", "gain"):
+            raise ConfigurationError(f"ProgressLR key must be 'samples' or 'gain', got {key!r}")
         self.scheduler = scheduler
         self.job = job
+        self.key = key
 
     @property
     def last_epoch(self) -> int:
@@ -80,7 +95,8 @@ class ProgressLR:
         return int(self.scheduler.last_epoch)
 
     def step(self) -> None:
-        target = math.floor(self.job.scale_invariant_steps + 1e-9)
+        progress = self.job.gain_steps if self.key == "gain" else self.job.scale_invariant_steps
+        target = math.floor(progress + 1e-9)
         while self.scheduler.last_epoch < target:
             self.scheduler.step()
 

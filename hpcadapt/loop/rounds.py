@@ -84,6 +84,8 @@ class BoundedDelayRounds:
             self._used_settings = optimizer_settings(self.optimizer.optimizer)
         st.sampler.advance(count)
         st.step += steps
+        for _ in range(steps):   # a round's steps hold equal shares of its samples
+            st.count_gain(count / steps, self.engine.lr_rule.rule == "adascale")
         self._in_flight = None  # committed
         self._read_control(control, count)
         # Only finite updates were applied; the guard counts updates, not rounds: a round

@@ -233,6 +233,7 @@ class StepLoop:
                             self._nonfinite_run)
         st.sampler.advance(self._part.global_count)
         st.step += 1
+        st.count_gain(self._part.global_count, self.engine.lr_rule.rule == "adascale")
         self._in_flight = None  # committed: a failure from here on redoes nothing
         if st.strategy.averages_after(st.step - 1) and self.world.size > 1:
             try:

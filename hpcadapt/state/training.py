@@ -152,12 +152,21 @@ class TrainingState:
         # The settings training started with: a resume must start from the same ones.
         self.origin = {"lr": hyper.lr, "batch_size": hyper.batch_size,
                        "momentum": hyper.momentum}
+        # AdaScale's scale-invariant iterations: the sum of each committed step's gain.
+        self.gain_steps = 0.0
 
     def rate_factor(self) -> float:
         """How far the policies moved the rate: the reference rate now over the one training
         started with. It multiplies whatever rate the user's optimizer and scheduler hold,
         during the update only (see ``rates_scaled``)."""
         return self.hyper.lr / self.origin["lr"]
+
+    def count_gain(self, samples: int, adascale: bool) -> None:
+        """Add a committed step's progress to ``gain_steps``: under the AdaScale rule its gain
+        r (the rule's rate over its base rate: AdaScale's iterations advance by r), else
+        the step's samples over the starting batch (the scale-invariant steps)."""
+        h = self.hyper
+        self.gain_steps += h.lr / h.base_lr if adascale else samples / self.origin["batch_size"]
 
     # -- plain part ------------------------------------------------------------------------
     def meta(self, cluster_version: int) -> Dict[str, Any]:
@@ -172,7 +181,8 @@ class TrainingState:
                 "policies": self.policies.state_dict() if self.policies is not None else {},
                 "user": self.user.state_dict(), "origin": dict(self.origin),
                 "strategy": self.strategy.to_dict(), "topology": self.topology,
-                "started": self.started, "world_size": self.world_size}
+                "started": self.started, "world_size": self.world_size,
+                "gain_steps": self.gain_steps}
 
     def load_meta(self, meta: Mapping[str, Any]) -> None:
         self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
@@ -188,6 +198,7 @@ class TrainingState:
         self.user.load_state_dict(meta["user"])
         if meta.get("origin"):
             self.origin = dict(meta["origin"])
+        self.gain_steps = float(meta.get("gain_steps", 0.0))
         if meta.get("strategy"):
             self.strategy = Strategy.from_dict(meta["strategy"])
         if meta.get("topology"):
@@ -301,6 +312,8 @@ class TrainingState:
                 _finite("noise scale ema", gns["ema"], positive=True, high=1.0)
             if "base_batch" in gns:
                 _whole("noise scale base batch", gns["base_batch"])
+            if "gain_steps" in meta:
+                _finite("gain steps", meta["gain_steps"], low=0.0)
             if "lr" in origin:   # the policies' rate factor divides by it
                 _finite("starting lr", origin["lr"], positive=True)
             if "momentum" in origin:

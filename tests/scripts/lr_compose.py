@@ -15,7 +15,8 @@ from torch.utils.data import TensorDataset
 import hpcadapt
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--scheduler", choices=["lambda", "onecycle", "cosine", "progress"])
+parser.add_argument("--scheduler", choices=["lambda", "onecycle", "cosine", "progress",
+                                            "progress-gain"])
 hpcadapt.add_arguments(parser)
 args = parser.parse_args()
 job = hpcadapt.Job(args)
@@ -34,9 +35,10 @@ elif args.scheduler == "onecycle":
 elif args.scheduler == "cosine":
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=T, eta_min=0.001)
 loader = hpcadapt.ElasticDataLoader(TensorDataset(x, y), batch_size=16)
-if args.scheduler == "progress":
+if args.scheduler.startswith("progress"):
     sched = hpcadapt.ProgressLR(torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 1.0 / (1 + 0.05 * s)), job)
+        opt, lambda s: 1.0 / (1 + 0.05 * s)), job,
+        key="gain" if args.scheduler == "progress-gain" else "samples")
 job.setup(model, opt, loader, extra={"scheduler": sched})
 for epoch in job.epochs(1):
     for xb, yb in loader:
@@ -47,5 +49,6 @@ for epoch in job.epochs(1):
             if job.rank == 0:
                 print(json.dumps({"step": step, "scheduler_lr": before,
                                   "batch": job.global_batch_size,
-                                  "si_steps": job.scale_invariant_steps}), flush=True)
+                                  "si_steps": job.scale_invariant_steps,
+                                  "gain_steps": job.gain_steps}), flush=True)
 job.finish()
