@@ -16,13 +16,14 @@ from .autoscale import AutoScale
 from .goodput import Goodput
 from .resize_schedule import ResizeSchedule
 from .schedule import Schedule
+from .seesaw import Seesaw
 from .straggler import Straggler
 from .straggler_async import StragglerAsync
 from .sync_switch import SyncSwitch
 from .topology_auto import TopologyAuto
 
 __all__ = ["Policy", "Decision", "MetricsSnapshot", "Param", "POLICIES", "register",
-           "GNSBatchSize", "Goodput", "Schedule", "ResizeSchedule", "AutoScale", "Straggler", "StragglerAsync", "SyncSwitch", "TopologyAuto", "LRRule", "Ramp", "LR_RULES",
+           "GNSBatchSize", "Goodput", "Schedule", "Seesaw", "ResizeSchedule", "AutoScale", "Straggler", "StragglerAsync", "SyncSwitch", "TopologyAuto", "LRRule", "Ramp", "LR_RULES",
            "add_policy_arguments", "build_policies", "unused_flags", "build_lr_rule", "argparse_type"]
 
 POLICIES: Dict[str, Type[Policy]] = {}
@@ -36,7 +37,7 @@ def register(cls: Type[Policy]) -> Type[Policy]:
     return cls
 
 
-for _cls in (GNSBatchSize, Goodput, Schedule, ResizeSchedule, AutoScale, Straggler,
+for _cls in (GNSBatchSize, Goodput, Schedule, Seesaw, ResizeSchedule, AutoScale, Straggler,
              StragglerAsync, SyncSwitch, TopologyAuto):
     register(_cls)
 

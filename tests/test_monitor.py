@@ -125,8 +125,9 @@ def test_consecutive_estimator_is_unbiased_when_the_batch_changes():
 
 
 def test_smoothing_scales_with_the_batch():
-    """A step of twice the first batch counts as two steps of it."""
-    a, b = GradientNoiseScale(ema=0.1), GradientNoiseScale(ema=0.1)
+    """A step of twice the first batch counts as two steps of it (a window of 0.01 ->
+    32 / -ln(0.99) = 3,184 samples, longer than 16 batches of 64)."""
+    a, b = GradientNoiseScale(ema=0.01), GradientNoiseScale(ema=0.01)
     a.update(NoiseEstimate(1.0, 10.0, 0.0), 32)
     b.update(NoiseEstimate(1.0, 10.0, 0.0), 32)
     a.update(NoiseEstimate(3.0, 30.0, 0.0), 64)
@@ -222,7 +223,7 @@ def test_a_rising_noise_scale_is_followed_one_window_of_samples_late(batch):
 
 def test_the_memory_counts_samples_not_steps():
     """Two steps of 32 samples weigh what one of 64 does."""
-    a, b = GradientNoiseScale(window=1000), GradientNoiseScale(window=1000)
+    a, b = GradientNoiseScale(window=4096), GradientNoiseScale(window=4096)
     for gns, steps in ((a, [(32, 2.0), (32, 2.0)]), (b, [(64, 2.0)])):
         gns.update(_noiseless(1.0, 10.0), 64)
         for n, g in steps:
@@ -248,6 +249,19 @@ def test_the_band_covers_the_truth_about_as_often_as_it_says():
             widths[window].append(hi / lo)
     assert 0.88 <= covered / 300 <= 0.99
     assert np.median(widths[8000]) < np.median(widths[2000])
+
+
+def test_a_window_shorter_than_16_batches_grows_with_the_batch():
+    """At 16 batches or fewer one estimate would all but fill the averages (no spread, no
+    band): the memory is then 16 steps at the current batch, and the band stays finite."""
+    short, long = GradientNoiseScale(window=100), GradientNoiseScale(window=16 * 512)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        est = NoiseEstimate(1.0 + 0.3 * rng.normal(), 50.0 * (1 + 0.2 * rng.normal()), 0.0)
+        short.update(est, 512)
+        long.update(est, 512)
+    assert short.noise_scale == pytest.approx(long.noise_scale, rel=1e-12)
+    assert math.isfinite(short.interval()[1])
 
 
 def test_the_band_is_open_until_the_error_can_be_told():

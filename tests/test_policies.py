@@ -87,6 +87,42 @@ def test_gns_batch_bad_settings(kwargs, match):
         GNSBatchSize(**kwargs)
 
 
+# -- seesaw ------------------------------------------------------------------------------
+def test_seesaw_points_are_where_the_cosine_halves():
+    from hpcadapt.policies.seesaw import halving_points
+
+    pts = halving_points(10000)
+    assert pts[:3] == [5000, 6667, 7700]
+    for k, s in enumerate(pts, start=1):
+        assert 0.5 * (1 + math.cos(math.pi * s / 10000)) <= 2.0 ** -k + 1e-9
+
+
+def test_seesaw_doubles_the_batch_and_scales_the_rate_at_each_halving():
+    from hpcadapt.policies import Seesaw
+
+    p = Seesaw(samples=10000, max=128)
+    p.before_train(snap(step=0, batch_size=32, lr=0.1, samples_seen=0))
+    assert p.after_step(snap(batch_size=32, lr=0.1, samples_seen=4999)) is None
+    d = p.after_step(snap(batch_size=32, lr=0.1, samples_seen=5000))
+    assert d.batch_size == 64 and d.lr == pytest.approx(0.1 / math.sqrt(2))
+    p.on_decision(d, snap())
+    d = p.after_step(snap(batch_size=64, lr=0.09, samples_seen=6700))   # mid-ramp rate
+    assert d.batch_size == 128 and d.lr == pytest.approx(0.05)   # the heading rate scaled
+    p.on_decision(d, snap())
+    d = p.after_step(snap(batch_size=128, lr=0.05, samples_seen=7700))   # at max: rate x1/2
+    assert d.batch_size is None and d.lr == pytest.approx(0.025)
+    restored = Seesaw(samples=10000, max=128)
+    restored.load_state_dict(p.state_dict())
+    assert restored.after_step(snap(batch_size=128, lr=0.025, samples_seen=7800)) is None
+
+
+def test_seesaw_needs_its_budget():
+    from hpcadapt.policies import Seesaw
+
+    with pytest.raises(ConfigurationError, match="--seesaw-samples"):
+        Seesaw()
+
+
 # -- schedule ----------------------------------------------------------------------------
 def test_schedule_by_step_fires_each_point_once():
     p = Schedule(unit="step", batch=[(0, 16), (10, 64)], lr=[(10, 0.2)])
