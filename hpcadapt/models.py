@@ -1,8 +1,10 @@
-"""Built-in models: an MLP, a small CNN and a ResNet-style network (GroupNorm, so no
-per-rank running statistics drift apart between replicas)."""
+"""Built-in models: an MLP, a small CNN, a ResNet-style network (GroupNorm, so no
+per-rank running statistics drift apart between replicas) and a small character-level
+causal transformer (``charlm``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Sequence, Tuple
 
 import numpy as np
@@ -92,7 +94,84 @@ def resnet(input_shape: Tuple[int, ...], num_classes: int, *, width: int = 32,
     return nn.Sequential(*layers)
 
 
-MODELS: Dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "resnet": resnet}
+class _CausalBlock(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, d_model: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4)                                 # each [B, heads, T, d/heads]
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return h + self.mlp(self.norm2(h))
+
+
+class CharLM(nn.Module):
+    """A small causal transformer over characters: token and learned position embeddings,
+    ``layers`` pre-LayerNorm blocks of ``heads``-head causal self-attention and a 4x GELU
+    MLP, a final LayerNorm and a linear head (untied). GPT-2's initialisation (normal, std
+    0.02; the residual projections scaled by 1/sqrt(2 * layers)).
+
+    Input: ids ``[B, T]`` (int64, ``T <= context``). Output: logits ``[B, vocab, T]``, the
+    class axis second as ``nn.CrossEntropyLoss`` expects, so ``CrossEntropyLoss()(model(x),
+    y)`` with targets ``y`` of shape ``[B, T]`` is the mean per-character cross-entropy and
+    ``model(x).argmax(1)`` the predicted next characters ``[B, T]``. Position t sees only
+    positions <= t."""
+
+    def __init__(self, vocab: int, context: int, *, d_model: int = 64, heads: int = 4,
+                 layers: int = 2):
+        super().__init__()
+        if d_model % heads:
+            raise ConfigurationError(f"charlm: d_model {d_model} is not a multiple of the "
+                                     f"{heads} heads")
+        self.context = context
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(_CausalBlock(d_model, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") \
+                    or name.endswith("mlp.2.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        if t > self.context:
+            raise ValueError(f"charlm: {t} characters in, at most {self.context} (context)")
+        h = self.tok(ids) + self.pos.weight[:t]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h)).transpose(1, 2)
+
+
+def charlm(input_shape: Tuple[int, ...], num_classes: int, *, d_model: int = 64,
+           heads: int = 4, layers: int = 2, **_) -> nn.Module:
+    """``CharLM`` for ``input_shape == (context,)`` and a vocabulary of ``num_classes``
+    characters (the shakespeare dataset's): about 0.11M parameters by default."""
+    if len(input_shape) != 1:
+        raise ConfigurationError(f"charlm takes sequences of character ids (input shape "
+                                 f"(context,)), not {tuple(input_shape)}: use it with "
+                                 f"--dataset shakespeare")
+    return CharLM(num_classes, int(input_shape[0]), d_model=d_model, heads=heads,
+                  layers=layers)
+
+
+MODELS: Dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "resnet": resnet,
+                                               "charlm": charlm}
 
 
 def build_model(name: str, input_shape: Tuple[int, ...], num_classes: int, *, seed: int = 0,

