@@ -29,8 +29,9 @@ BENCHMARKS = {
     "allreduce": ("driver_simple", "allreduce throughput: hpcadapt vs mpi4py vs gloo"),
     "ddp": ("driver_simple", "training throughput: hpcadapt vs torch DDP (gloo)"),
     "monitor-overhead": ("driver_simple", "throughput with gradient monitors on vs off"),
-    "adaptive-batch": ("driver_adaptive", "time to accuracy on MNIST-1D: fixed batches and "
-                                          "schedules vs gns-batch and goodput"),
+    "adaptive": ("driver_adaptive", "steps and samples to target val losses, MNIST-1D CNN and "
+                                    "a char-level LM: the adaptive batch policy vs tuned fixed "
+                                    "batches, a doubling ramp and Seesaw, paired over seeds"),
     "resize": ("driver_resize", "pause of grow/shrink vs a torchrun restart"),
     "failure": ("driver_failure", "a killed worker: detection and recovery vs a torchrun restart"),
     "user-api": ("driver_user_api", "training throughput: a user's own script on the public "
@@ -43,6 +44,8 @@ BENCHMARKS = {
                                         "sync-switch, straggler removal; a rank slowed 2x"),
     "gpu": ("driver_gpu", "one GPU: hpcadapt vs DDP over NCCL, monitoring overhead, NCCL vs "
                           "host-staged allreduce bandwidth"),
+    "sim-scale": ("driver_sim", "policies at 8 to 1,024 workers by simulation: decisions, "
+                                "reversals, decision time, simulated time vs fixed runs"),
 }
 
 
