@@ -89,8 +89,8 @@ TASKS: Dict[str, dict] = {
                   "--momentum", "0.9"],
         "needs": ["--optimizer", "--lr-schedule", "--warmup-fraction", "--eval-every-samples"],
         "samples": 30000, "train_fraction": 0.8,     # mnist1d: --samples is train + test
-        "batches": [16, 32, 64, 128, 256, 512], "lrs": [0.05, 0.1, 0.2],
-        "ramp_starts": [16], "ramp_lrs": [0.05, 0.1, 0.2],
+        "batches": [16, 32, 64, 128, 256, 512], "lrs": [0.05, 0.1, 0.2, 0.4],
+        "ramp_starts": [16], "ramp_lrs": [0.025, 0.05, 0.1, 0.2],
         "quick": {"samples": 4000, "batches": [32, 64], "lrs": [0.1],
                   "ramp_starts": [32], "ramp_lrs": [0.1]},
     },
@@ -101,8 +101,8 @@ TASKS: Dict[str, dict] = {
         "needs": ["--optimizer", "--lr-schedule", "--warmup-fraction", "--eval-every-samples",
                   "--context", "charlm", "shakespeare"],
         "samples": 16000, "train_fraction": 1.0,     # shakespeare: --samples training windows
-        "batches": [16, 32, 64, 128, 256], "lrs": [1e-3, 3e-3, 1e-2],
-        "ramp_starts": [16], "ramp_lrs": [1e-3, 3e-3, 1e-2],
+        "batches": [16, 64, 256], "lrs": [2e-3, 5e-3, 1.2e-2],
+        "ramp_starts": [16], "ramp_lrs": [2e-3, 5e-3],
         "quick": {"samples": 768, "batches": [32, 64], "lrs": [2e-3],
                   "ramp_starts": [32], "ramp_lrs": [2e-3]},
     },
