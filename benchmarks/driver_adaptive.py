@@ -101,8 +101,8 @@ TASKS: Dict[str, dict] = {
         "needs": ["--optimizer", "--lr-schedule", "--warmup-fraction", "--eval-every-samples",
                   "--context", "charlm", "shakespeare"],
         "samples": 16000, "train_fraction": 1.0,     # shakespeare: --samples training windows
-        "batches": [16, 64, 256], "lrs": [2e-3, 5e-3, 1.2e-2],
-        "ramp_starts": [16], "ramp_lrs": [2e-3, 5e-3],
+        "batches": [16, 64, 256], "lrs": [2e-3, 5e-3, 1.2e-2, 3e-2],
+        "ramp_starts": [16], "ramp_lrs": [2e-3, 5e-3, 1.2e-2],
         "quick": {"samples": 768, "batches": [32, 64], "lrs": [2e-3],
                   "ramp_starts": [32], "ramp_lrs": [2e-3]},
     },
