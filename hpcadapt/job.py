@@ -279,6 +279,13 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         and the user's code after its ``job.step`` is undone at the loop's next batch."""
         return self.state.step if self.state is not None else 0
 
+    @property
+    def lr_factor(self) -> float:
+        """The policies' factor on your rates (``--lr-rule``, its ramp, a policy's rate): the
+        update uses every param group's rate times it, while ``param_groups`` keep the rates
+        your optimizer and scheduler set (1 before ``setup``)."""
+        return self.state.rate_factor() if self.state is not None else 1.0
+
     def epochs(self, count: int) -> Iterator[int]:
         """Yield the epochs still to train (a resumed or joined worker starts where the job
         stands). The policies' epoch hooks run around each."""

@@ -59,6 +59,7 @@ for epoch in job.epochs(2):
         if not steps or steps[-1]["step"] != job.state.step:
             steps.append({"step": job.state.step, "batch": job.state.hyper.batch_size,
                           "lrs": [g["lr"] for g in opt.param_groups],
+                          "factor": job.lr_factor,
                           "momentum": [g["momentum"] for g in opt.param_groups]})
 summary = job.finish()
 if job.world.rank == 0:
