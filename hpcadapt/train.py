@@ -30,6 +30,8 @@ __all__ = ["build_parser", "main"]
 
 _positive_float = argparse_type(params.positive_float)
 _momentum = argparse_type(params.momentum)
+_fraction_open = argparse_type(params.fraction_open)
+_non_negative_int = argparse_type(params.non_negative_int)
 
 # Built-in names, known without loading torch (hpcadapt.datasets and hpcadapt.models check
 # that they match), so that the console script blocks the stop signals before torch loads.
@@ -74,26 +76,6 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
-    return value
-
-
-def _positive_fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {value}")
     return value
 
 
@@ -154,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "last --decay-fraction linearly to 0")
     g.add_argument("--warmup-fraction", type=_fraction, default=0.0,
                    help="linear warm-up over this fraction of training (in samples)")
-    g.add_argument("--decay-fraction", type=_positive_fraction, default=0.2,
+    g.add_argument("--decay-fraction", type=_fraction_open, default=0.2,
                    help="wsd: the fraction of training (in samples) at the end that decays")
     g.add_argument("--eval-every-samples", type=_non_negative_int, default=0,
                    help="evaluate the validation set (the test split) each time the samples "
