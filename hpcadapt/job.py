@@ -242,6 +242,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         self.state.strategy = self._initial_strategy
         self.state.topology = o.topology
         loader.bind(self._batches, lambda: self.state.hyper.batch_size)
+        loader.sampler.job_driven = True
         if self.joining:
             self._join()
         else:
@@ -256,8 +257,9 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
             if self.elastic is not None:
                 self.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
-                log.info("training on %d workers, global batch %d, strategy %s, policies: %s",
-                         self.world.size, self.state.hyper.batch_size,
+                log.info("training on %d %s, global batch %d, strategy %s, policies: %s",
+                         self.world.size, "worker" if self.world.size == 1 else "workers",
+                         self.state.hyper.batch_size,
                          self.state.strategy.describe(),
                          ", ".join(p.name for p in self.engine.policies) or "none")
                 log.info("%s", flavour().startup_line(o.on_failure == "recover"))
@@ -302,7 +304,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         skip_before = False
         while st.epoch < count and not self._over():
             if st.sampler.epoch != st.epoch:
-                st.sampler.set_epoch(st.epoch)
+                st.sampler.start_epoch(st.epoch)
             if not (resuming and first) and not skip_before:
                 # A recovery inside it: the other survivors may already be training; every
                 # rank goes straight to the steps, from the state all agreed on.
@@ -325,7 +327,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
                 continue
             if done:
                 st.epoch += 1
-                st.sampler.set_epoch(st.epoch)
+                st.sampler.start_epoch(st.epoch)
         if not self.left and not self.stopped:
             self._hook_in_scope("after_train")
         self._finish_elastic()

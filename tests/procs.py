@@ -57,7 +57,16 @@ def python_ranks(text):
         cmd = _cmdline(pid)
         if cmd and os.path.basename(cmd[0].decode()).startswith("python"):
             out[pid] = _environ(pid).get(b"HPCADAPT_JOIN_DIR", b"").decode() or None
-    return out
+    # A rank's loader workers are forks of it (same command line and environment): not ranks.
+    return {pid: d for pid, d in out.items() if _parent(pid) not in out}
+
+
+def _parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def launch_ranks(text):

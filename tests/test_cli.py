@@ -116,6 +116,26 @@ def test_an_unknown_flag_on_two_ranks_is_named_once_with_where_the_flags_are(pro
     assert any("--help" in line for line in lines), lines
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["--max-workers", "2"], "--max-workers 2 is below the 3 workers already running"),
+    (["--min-workers", "4", "--max-workers", "4"], "--min-workers 4 is above the 3 workers"),
+    (["--initial-workers", "5", "--max-workers", "4"], "--initial-workers 5 is above"),
+    (["--min-workers", "3", "--max-workers", "2"], "--max-workers 2 is below"),
+    (["--checkpoint-every", "5"], "--checkpoint-every 5 needs --checkpoint FILE"),
+])
+def test_worker_count_refusals_on_three_ranks_are_one_line_printed_once(flags, words):
+    """Every rank checks the same flags; rank 0 alone says what is wrong, every rank ends
+    with 2: no 'aborting all' and no MPI_Abort banner."""
+    from conftest import mpiexec
+
+    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "hpcadapt.train",
+                           "--epochs", "1", "--no-progress"] + flags, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert proc.returncode == 2, lines
+    assert len(lines) == 1 and words in lines[0], lines
+
+
 def _refusal(flags):
     from hpcadapt.args import refuse_inconsistent
     from hpcadapt.base.options import JobOptions
@@ -131,6 +151,7 @@ def _refusal(flags):
     (["--policy", "resize-schedule", "--resize-schedule-steps", "5:3"],
      "--policy resize-schedule resizes the job and needs --max-workers"),
     (["--policy", "autoscale"], "--policy autoscale resizes the job and needs --max-workers"),
+    (["--checkpoint-every", "10"], "--checkpoint-every 10 needs --checkpoint FILE"),
     (["--policy", "straggler"], "--policy straggler resizes the job and needs --max-workers"),
     (["--max-workers", "3", "--max-steps", "20", "--policy", "resize-schedule",
       "--resize-schedule-steps", "5:3,50:2"],

@@ -150,6 +150,37 @@ def test_a_users_script_survives_and_runs_each_step_once(tmp_path, victims):
     assert len({(r["params"], r["buffers"], r["ema"]) for r in results}) == 1, results
 
 
+def _workers_of(pids):
+    """The loader workers (children) of these processes."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("victims", [[1, 3], [0, 1, 3]], ids=["two-at-once", "all-but-one"])
+def test_ranks_killed_with_their_loader_workers_end_with_them(tmp_path, victims):
+    """A user's script whose loader has 2 persistent workers per rank: killed ranks take
+    their workers with them at once (nothing holds mpirun's output open), the survivors
+    finish, mpirun exits 0, and no worker's folder is left in TMPDIR (the autouse check)."""
+    run = Launch(tmp_path, 4, USER + ["--num-workers", "2"])
+    run.wait_for_step(40)
+    ranks = launch_ranks(str(run.metrics))
+    workers = _workers_of([ranks[r] for r in victims])
+    assert len(workers) == 2 * len(victims), workers
+    pids = run.kill(victims)
+    _assert_recovered(run, victims, pids, 4)
+    assert not [p for p in workers if alive(p)], workers
+    results = [json.loads((run.dir / f"rank{r}.json").read_text())
+               for r in range(4 - len(victims))]
+    for r in results:
+        assert r["updates"] == r["step_count"] == r["last_epoch"] == r["steps"], r
+
+
 def _short(epochs, *flags):
     """The entry point for ``epochs`` epochs, with extra flags."""
     at = ENTRY.index("--epochs") + 1

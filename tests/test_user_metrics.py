@@ -80,3 +80,14 @@ def test_a_metric_that_is_not_a_number_ends_the_job_with_one_line():
             "int, a float or a 0-d tensor")
     assert f"[rank 0] {line}" in proc.stderr.splitlines(), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_an_epoch_line_shows_what_the_script_logged_and_nothing_it_did_not():
+    """A script that logs only its own metric gets no 'test accuracy nan' on its epoch
+    lines."""
+    proc = run_mpi(2, [SCRIPT, "--epochs", "1", "--own-only", "--no-progress"], timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if "epoch 0:" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "ema_accuracy 0.25" in lines[0] and "accuracy nan" not in lines[0], lines
+    assert "test accuracy" not in lines[0], lines

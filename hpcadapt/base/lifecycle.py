@@ -17,10 +17,15 @@ from typing import Callable, Optional, Tuple
 
 from hpcadapt.base import config
 
-__all__ = ["install_abort_on_exception", "set_failure_handler", "is_first_rank", "end_process"]
+__all__ = ["install_abort_on_exception", "set_failure_handler", "is_first_rank", "end_process",
+           "is_rank_process"]
 
 _failure_handler: Optional[Callable[[BaseException], None]] = None
 _ABORT_GRACE_S = 10.0  # how long MPI_Abort may take before the process ends itself
+# The process that installed the hook: the rank. A process forked from it (a DataLoader
+# worker) inherits ``sys.excepthook`` but is the user's, not a rank: it must never abort
+# the job's communicator (MPI in a forked child hangs) nor speak for the rank.
+_rank_pid: Optional[int] = None
 
 
 def is_first_rank() -> bool:
@@ -91,7 +96,7 @@ def _hook(kind, value, tb) -> None:
     """hpcadapt's own errors as one line (exit 2), anything else with that rank's traceback
     (exit 1). An error every rank raised together (rank 0's verdict, shared) ends the job
     cleanly, printed once; any other aborts all ranks."""
-    if issubclass(kind, (KeyboardInterrupt, SystemExit)):
+    if issubclass(kind, (KeyboardInterrupt, SystemExit)) or os.getpid() != _rank_pid:
         return sys.__excepthook__(kind, value, tb)
     if _failure_handler is not None:
         _failure_handler(value)  # may save a checkpoint: not bounded here
@@ -134,6 +139,14 @@ def _arm_last_resort() -> None:
         pass
 
 
+def is_rank_process() -> bool:
+    """Whether this process is the rank itself, not a process forked from it (a loader
+    worker), which must not run the rank's handlers."""
+    return _rank_pid is None or os.getpid() == _rank_pid
+
+
 def install_abort_on_exception() -> None:
-    """Make an uncaught exception end every rank (idempotent)."""
+    """Make an uncaught exception in this process end every rank (idempotent)."""
+    global _rank_pid
+    _rank_pid = os.getpid()
     sys.excepthook = _hook

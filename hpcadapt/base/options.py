@@ -88,6 +88,9 @@ def refuse_inconsistent(options) -> str:
     """Why flags that each parse are unusable together (one line), or "": checked at start,
     on every rank alike, instead of being ignored or failing mid-run. ``options``: a
     ``JobOptions`` (or anything with its fields)."""
+    if getattr(options, "checkpoint_every", None) and not getattr(options, "checkpoint", None):
+        return (f"--checkpoint-every {options.checkpoint_every} needs --checkpoint FILE (where "
+                f"the state is saved)")
     most = options.max_workers
     if most is None:
         if options.min_workers > 1:

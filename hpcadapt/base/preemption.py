@@ -11,6 +11,7 @@ requeue from); Ctrl-C is always a stop signal."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from typing import Dict, Optional, Sequence
 
@@ -70,6 +71,7 @@ class StopSignals:
         self.saves = saves
         self.received: Optional[str] = None
         self._previous: Dict[signal.Signals, object] = {}
+        self._pid: Optional[int] = None
 
     @classmethod
     def named(cls, names: Sequence[str], *, saves: bool) -> "StopSignals":
@@ -77,6 +79,10 @@ class StopSignals:
         return cls([parse_signal(n) for n in names] + list(ALWAYS_STOP), saves=saves)
 
     def _handle(self, signum: int, _frame) -> None:
+        # A process forked from the rank (a DataLoader worker) inherits this handler; the
+        # launcher's signal reaches it too, but the rank decides the stop: ignore it there.
+        if os.getpid() != self._pid:
+            return
         if self.received is None:
             self.received = signal.Signals(signum).name
             if self.saves:
@@ -84,6 +90,7 @@ class StopSignals:
                             self.received)
 
     def install(self) -> "StopSignals":
+        self._pid = os.getpid()
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         unblock_stop_signals()

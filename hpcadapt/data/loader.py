@@ -14,6 +14,14 @@ step is empty gets no batch: its collate function never sees an empty list."""
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
+import multiprocessing.util
+import os
+import shutil
+import signal
+import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -24,7 +32,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.data.sampler import ElasticSampler, StepSlice
 
-__all__ = ["ElasticDataLoader", "PlannedBatches", "split_micro", "WalkKey"]
+__all__ = ["ElasticDataLoader", "PlannedBatches", "split_micro", "WalkKey", "WorkerStart",
+           "sweep_dead_worker_dirs"]
 
 
 def split_micro(indices: np.ndarray, cap: Optional[int]) -> List[np.ndarray]:
@@ -79,6 +88,105 @@ class PlannedBatches:
         return sum(len(m) for _, m in self.steps())
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+_WORKER_DIR_PREFIX = "hpcadapt-worker-"
+
+
+def _own_temp_dir() -> None:
+    """Give this worker's multiprocessing a temporary folder named after its pid (its
+    ``pymp-*`` folder otherwise, where torch's file-descriptor sharing listens): removed at a
+    normal exit as before, and by ``sweep_dead_worker_dirs`` when the worker was killed."""
+    config = multiprocessing.process.current_process()._config
+    if config.get("tempdir") is not None:
+        return
+    path = tempfile.mkdtemp(prefix=f"{_WORKER_DIR_PREFIX}{os.getpid()}-")
+    config["tempdir"] = path
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(path,),
+                                  kwargs={"ignore_errors": True}, exitpriority=-100)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process: a killed worker whose rank died too waits as a
+    zombie until someone reaps it (in a container often nobody), and is dead here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not os.path.isdir("/proc")  # /proc exists yet has no entry: gone
+
+
+def sweep_dead_worker_dirs(base: Optional[str] = None) -> int:
+    """Remove the temporary folders of this user's loader workers that were killed (their
+    pid is gone): a rank killed with its workers leaves them behind. Any process of the job
+    calls it at its end; it never follows a link and leaves a live worker's folder alone.
+    Returns how many were removed."""
+    base = base or tempfile.gettempdir()
+    removed = 0
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(_WORKER_DIR_PREFIX):
+            continue
+        pid_text = name[len(_WORKER_DIR_PREFIX):].split("-", 1)[0]
+        path = os.path.join(base, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not pid_text.isdigit() or info.st_uid != os.getuid() or \
+                not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if _running(int(pid_text)):
+            continue  # alive (or a reused pid): not ours to remove
+        shutil.rmtree(path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+class WorkerStart:
+    """Runs first in every loader worker: the worker is the user's, so it must die with its
+    rank. A rank killed by SIGKILL runs no clean-up, and torch's own watch notices the
+    parent gone only between batches; a worker left behind holds the launcher's output
+    pipe and the launcher never exits. Linux's parent-death signal ends it at once
+    (elsewhere torch's watch remains). Then the user's ``worker_init_fn``. Picklable, for
+    the ``spawn`` and ``forkserver`` contexts."""
+
+    def __init__(self, rank_pid: int, user_init: Optional[Callable[[int], None]],
+                 context=None):
+        self.rank_pid = rank_pid
+        self.user_init = user_init
+        # Under ``forkserver`` the worker's parent is the server, which outlives the rank
+        # by design (it watches the rank itself): nothing to tie here.
+        if context is None:  # the default, without fixing it (get_start_method() would)
+            method = (multiprocessing.get_start_method(allow_none=True)
+                      or multiprocessing.get_all_start_methods()[0])
+        else:
+            method = context if isinstance(context, str) else context.get_start_method()
+        self.direct_child = method in ("fork", "spawn")
+
+    def __call__(self, worker_id: int) -> None:
+        if self.direct_child and sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            except (OSError, AttributeError):  # pragma: no cover - no prctl: torch's watch
+                pass
+            if os.getppid() != self.rank_pid:  # the rank died before prctl: follow it now
+                os._exit(0)
+        _own_temp_dir()
+        if self.user_init is not None:
+            self.user_init(worker_id)
+
+
 class ElasticDataLoader:
     """Like ``DataLoader(dataset, batch_size, shuffle=True, ...)``, but ``batch_size`` is the
     global batch (over all ranks) and the job decides it from then on. Pass the loader to
@@ -119,13 +227,25 @@ class ElasticDataLoader:
             self._loader = DataLoader(
                 dataset, batch_sampler=self.plan, num_workers=num_workers,
                 collate_fn=collate_fn, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
-                persistent_workers=True, worker_init_fn=worker_init_fn,
+                persistent_workers=True,
+                worker_init_fn=WorkerStart(os.getpid(), worker_init_fn,
+                                           multiprocessing_context),
                 multiprocessing_context=multiprocessing_context, timeout=timeout)
         self._pin_memory = pin_memory
         self._iter: Optional[Iterator[Any]] = None
         self._batches: Optional[Callable[[], Iterator[Any]]] = None  # Job.setup binds it
 
     def __len__(self) -> int:
+        """Steps per epoch at the current global batch, as torch's ``len(DataLoader)``
+        (``ceil(len(dataset) / batch_size)``), so ``epochs * len(loader)`` sizes a
+        scheduler. A policy that changes the batch changes it: key such schedules on the
+        job's progress instead (``hpcadapt.ProgressLR``, ``job.scale_invariant_steps``).
+        Under ``--max-local-batch`` a step is several micro-batches; this counts steps."""
+        return -(-self.sampler.num_samples // self.batch_size)
+
+    @property
+    def num_samples(self) -> int:
+        """The samples in one epoch (``len(dataset)``)."""
         return self.sampler.num_samples
 
     def __iter__(self):

@@ -38,6 +38,7 @@ class ElasticSampler:
         self.epoch = 0
         self.cursor = 0
         self._perm = self._permutation(0)
+        self.job_driven = False  # job.setup sets it: set_epoch is then the job's
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -45,6 +46,19 @@ class ElasticSampler:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
     def set_epoch(self, epoch: int) -> None:
+        """torch's ``DistributedSampler.set_epoch`` convention. On its own: start ``epoch``
+        from its first sample. Once a job drives it (``job.setup``), the job moves the
+        epochs: the current epoch is a no-op (a resumed epoch goes on at its cursor) and any
+        other is refused, since it would repeat or skip samples."""
+        if self.job_driven:
+            if epoch == self.epoch:
+                return
+            raise ConfigurationError(
+                f"sampler.set_epoch({epoch}) in epoch {self.epoch}: the job moves the epochs "
+                f"(job.epochs()); call it with the epoch job.epochs() yields, or not at all")
+        self.start_epoch(epoch)
+
+    def start_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first sample."""
         self.epoch = epoch
         self.cursor = 0
@@ -93,5 +107,5 @@ class ElasticSampler:
                 f"{self.num_samples}")
         self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
-        self.set_epoch(int(state["epoch"]))
+        self.start_epoch(int(state["epoch"]))
         self.cursor = int(state["cursor"])

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from hpcadapt.base import faults, lifecycle
-from hpcadapt.base.errors import ConfigurationError, MembershipError
+from hpcadapt.base.errors import ConfigurationError, MembershipError, on_every_rank
 from hpcadapt.base.options import JobOptions
 from hpcadapt.base.metrics import ResizeRecord
 from hpcadapt.comm import world as world_mod
@@ -37,21 +37,23 @@ class MembershipChanges:
         from hpcadapt.elastic.membership import ElasticController, joiner_argv
 
         o = self.options
+        # Every rank checks the same flags: one line from rank 0, exit 2 (not an abort).
+        problem = None
         if o.max_workers < self.world.size and not self.joining:
-            raise ConfigurationError(f"--max-workers {o.max_workers} is below the "
-                                     f"{self.world.size} workers already running")
-        if o.min_workers > o.max_workers:
-            raise ConfigurationError(f"--min-workers {o.min_workers} is above "
-                                     f"--max-workers {o.max_workers}")
-        if o.warm_spares < 0:
-            raise ConfigurationError(f"--warm-spares {o.warm_spares}: give 0 or more")
-        if o.initial_workers is not None and o.initial_workers > o.max_workers:
-            raise ConfigurationError(f"--initial-workers {o.initial_workers} is above "
-                                     f"--max-workers {o.max_workers}")
-        if o.min_workers > max(self.world.size, o.initial_workers or 0) and not self.joining:
-            raise ConfigurationError(f"--min-workers {o.min_workers} is above the "
-                                     f"{self.world.size} workers running; start at least "
-                                     f"{o.min_workers}")
+            problem = (f"--max-workers {o.max_workers} is below the {self.world.size} workers "
+                       f"already running")
+        elif o.min_workers > o.max_workers:
+            problem = f"--min-workers {o.min_workers} is above --max-workers {o.max_workers}"
+        elif o.warm_spares < 0:
+            problem = f"--warm-spares {o.warm_spares}: give 0 or more"
+        elif o.initial_workers is not None and o.initial_workers > o.max_workers:
+            problem = (f"--initial-workers {o.initial_workers} is above --max-workers "
+                       f"{o.max_workers}")
+        elif o.min_workers > max(self.world.size, o.initial_workers or 0) and not self.joining:
+            problem = (f"--min-workers {o.min_workers} is above the {self.world.size} workers "
+                       f"running; start at least {o.min_workers}")
+        if problem is not None:
+            raise on_every_rank(ConfigurationError(problem))
         self.allocator, join_root = build_allocator(o, self.world.rank)
         self.elastic = ElasticController(self.world, self.allocator, joiner_argv(),
                                          join_timeout=o.join_timeout,
@@ -94,8 +96,8 @@ class MembershipChanges:
         its own launch (a dead one is then recovered from; a rank of a shared launch is not).
         A grow that fails or times out leaves the job training at the size it has."""
         if self.elastic is None:
-            raise ConfigurationError("--initial-workers needs --max-workers (the allocator "
-                                     "that starts them)")
+            raise on_every_rank(ConfigurationError("--initial-workers needs --max-workers (the "
+                                                   "allocator that starts them)"))
         self.request_resize(count, reason)
         while self.elastic.growing:
             try:

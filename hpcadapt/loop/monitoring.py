@@ -186,9 +186,13 @@ class Monitoring:
         self.user_metrics.update(mine)
         self._epoch_logged = True
         if self.world.rank == 0:
-            log.info("epoch %d: loss %.4f, test accuracy %.4f, %.0f samples/s, batch %d on "
-                     "%d workers%s", st.epoch, rec.loss, rec.test_accuracy, rec.samples_per_s,
-                     st.hyper.batch_size, self.world.size,
+            # Only what was measured or logged: no "test accuracy nan" for a script that
+            # reports its own metrics instead.
+            accuracy = f", test accuracy {rec.test_accuracy:.4f}" \
+                if test_accuracy is not None else ""
+            log.info("epoch %d: loss %.4f%s, %.0f samples/s, batch %d on %d %s%s", st.epoch,
+                     rec.loss, accuracy, rec.samples_per_s, st.hyper.batch_size,
+                     self.world.size, "worker" if self.world.size == 1 else "workers",
                      "".join(f", {k} {v:.4g}" for k, v in mine.items()))
 
     def log_eval(self, **metrics: Any) -> None:

@@ -19,6 +19,7 @@ from hpcadapt.base.metrics import ResumeRecord, StopRecord, json_safe
 from hpcadapt.base.preemption import EXIT_REQUEUE
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
+from hpcadapt.data.loader import sweep_dead_worker_dirs
 from hpcadapt.state.training import checkpoint_step, optimizer_settings
 
 __all__ = ["StopsAndCheckpoints"]
@@ -209,10 +210,12 @@ class StopsAndCheckpoints:
 
     def _close_loader(self) -> None:
         """The loader's worker processes end now, cleanly (their temporary folders go with
-        them), not when the interpreter kills them on its way out."""
+        them), not when the interpreter kills them on its way out; the folders of workers
+        that were killed with their rank (a failure) are removed here too."""
         loader = getattr(self, "loader", None)
         if loader is not None:
             try:
                 loader.close()
             except Exception as exc:  # best effort on the way out
                 log.warning("the data loader's workers did not stop cleanly: %s", exc)
+        sweep_dead_worker_dirs()

@@ -28,6 +28,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--result-dir", required=True)
+    parser.add_argument("--num-workers", type=int, default=0, help="the loader's workers "
+                        "(persistent: they live across epochs, resizes and recoveries)")
     hpcadapt.add_arguments(parser)
     args = parser.parse_args()
     job = hpcadapt.Job(args)
@@ -37,8 +39,9 @@ def main():
                           nn.Dropout(0.1), nn.Linear(32, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loader = hpcadapt.ElasticDataLoader(torch.utils.data.TensorDataset(data.x_train,
-                                                                       data.y_train), 48)
-    total = args.epochs * -(-len(loader) // 48)  # steps (len: the samples)
+                                                                       data.y_train), 48,
+                                        num_workers=args.num_workers)
+    total = args.epochs * len(loader)  # steps (len: steps per epoch, as torch)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
     ema = torch.optim.swa_utils.AveragedModel(
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
