@@ -105,6 +105,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         self.stop_signals: Optional[StopSignals] = StopSignals.named(
             o.stop_signals, saves=bool(o.checkpoint)).install()
         self.world = world_mod.init()
+        self.stop_signals.announce = lambda: self.world.rank == 0 and not self.joining
         # A peer that dies during the user's own collective work: saved, exit 75.
         lifecycle.set_failure_handler(
             lambda exc: self._fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)

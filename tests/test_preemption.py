@@ -219,3 +219,26 @@ def test_ctrl_c_stops_at_a_step_boundary_like_a_stop_signal(tmp_path, saved):
     else:
         assert proc.returncode == 1 and not ckpt.exists(), err[-3000:]
         assert sum("no --checkpoint given, state not saved" in l for l in err.splitlines()) == 1
+
+
+def test_one_stop_signal_to_the_launcher_is_one_line_for_the_job_not_per_worker(tmp_path):
+    """SIGUSR1 to mpiexec, which forwards it to every rank, on 4 ranks of a user's script whose
+    loader has 2 workers each: one 'received' line (rank 0's) and one 'stopped' line, none
+    from the other ranks or the loader workers; the state is saved (exit 75)."""
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "state.ckpt"
+    result = tmp_path / "result"
+    result.mkdir()
+    proc = subprocess.Popen([mpiexec(), "-n", "4", sys.executable,
+                             str(ROOT / "tests" / "scripts" / "rollback_user.py"), "--epochs",
+                             "1000", "--num-workers", "2", "--result-dir", str(result),
+                             "--no-progress", "--checkpoint", str(ckpt), "--metrics-file",
+                             str(metrics)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    reap_on_teardown(proc, str(metrics))
+    wait_for(lambda: _steps_reported(metrics) >= 3, "step 3", proc)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_REQUEUE and ckpt.exists(), err[-3000:]
+    said = [line for line in err.splitlines() if "SIGUSR1" in line]
+    assert len(said) == 2, said
+    assert "SIGUSR1 received" in said[0] and "stopped on SIGUSR1 at epoch" in said[1], said

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 __all__ = ["StopSignals", "EXIT_REQUEUE", "ALWAYS_STOP", "parse_signal", "block_stop_signals",
            "unblock_stop_signals"]
@@ -72,6 +72,9 @@ class StopSignals:
         self.received: Optional[str] = None
         self._previous: Dict[signal.Signals, object] = {}
         self._pid: Optional[int] = None
+        # Whether this process says it received the signal: the launcher forwards it to every
+        # rank, and one line per job is enough (the job sets it to "rank 0").
+        self.announce: Callable[[], bool] = lambda: True
 
     @classmethod
     def named(cls, names: Sequence[str], *, saves: bool) -> "StopSignals":
@@ -85,7 +88,7 @@ class StopSignals:
             return
         if self.received is None:
             self.received = signal.Signals(signum).name
-            if self.saves:
+            if self.saves and self.announce():
                 log.warning("%s received: the job saves its state at the next step boundary",
                             self.received)
 

@@ -65,7 +65,8 @@ def main():
                    "buffers": digest(model.buffers()), "params": digest(model.parameters()),
                    "steps": summary["steps"]}, f)
     os.replace(path + ".tmp", path)  # whole, for a test that waits for it
+    return job.exit_code  # 75 after a stop with the state saved: the job script requeues
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
