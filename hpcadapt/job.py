@@ -109,7 +109,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         # A peer that dies during the user's own collective work: saved, exit 75.
         lifecycle.set_failure_handler(
             lambda exc: self._fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
-        setup_logging(lambda: self.world.rank)
+        setup_logging(lambda: self.world.rank if self._holds_state else f"joiner {os.getpid()}")
         most = max(self.world.size, o.max_workers or 0, o.initial_workers or 0)
         if o.slow_rank is not None and o.slow_rank >= most and self.world.rank == 0:
             log.warning("--slow-rank %d: the job has at most %d worker(s), so no rank is "

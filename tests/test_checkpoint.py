@@ -111,6 +111,17 @@ def test_non_finite_weights_are_refused(tmp_path):
         load(path)
 
 
+def test_an_absurd_weight_with_a_valid_checksum_is_refused(tmp_path):
+    """A weight of 3.7e37 is finite, yet no trained model's: resuming it diverges on every
+    retry, so it is refused by name like an impossible step."""
+    def poison(state):
+        with torch.no_grad():
+            state.model.weight[1, 2] = 3.7e37
+    path = _rewrite(tmp_path, poison)
+    with pytest.raises(ValueError, match="its 'weight' holds a weight of 3.7e\\+37, beyond"):
+        load(path)
+
+
 def test_a_resume_with_other_starting_settings_is_refused(tmp_path):
     path = saved(tmp_path, make_state(lr=0.1))
     with pytest.raises(ValueError, match="started with lr 0.1 there and with 0.2 here"):

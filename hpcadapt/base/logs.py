@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from hpcadapt.base import config
 from hpcadapt.base.config import launch_rank
@@ -18,7 +18,7 @@ class _RankFilter(logging.Filter):
     every rank reads the same flags and says the same things: the launch's first rank
     speaks for all, the others' records are dropped (they were printed once per rank)."""
 
-    def __init__(self, rank_of: Callable[[], Optional[int]]):
+    def __init__(self, rank_of: Callable[[], Union[int, str, None]]):
         super().__init__()
         self._rank_of = rank_of
 
@@ -29,6 +29,8 @@ class _RankFilter(logging.Filter):
                 return False
             rank = launch_rank() or 0
         record.rank = rank
+        # A worker still joining has a rank only in its own launch: it says what it is.
+        record.who = rank if isinstance(rank, str) else f"rank {rank}"
         return True
 
 
@@ -37,14 +39,15 @@ def _world_rank() -> Optional[int]:
     return runtime.world().rank if runtime is not None and runtime.is_initialized() else None
 
 
-def setup_logging(rank_of: Callable[[], Optional[int]] = _world_rank) -> None:
+def setup_logging(rank_of: Callable[[], Union[int, str, None]] = _world_rank) -> None:
     """Log ``[rank N] LEVEL name: message`` to stderr, hpcadapt's records and Python's
     warnings (``warnings.warn``, which printed without a rank); ``rank_of`` returns the
-    current rank (it changes across resizes), or None before the world exists."""
+    current rank (it changes across resizes), a name for a process that has none in the
+    job yet (``"joiner 1234"``), or None before the world exists."""
     handler = logging.StreamHandler(sys.stderr)
     handler._hpcadapt = True  # type: ignore[attr-defined]
     handler.addFilter(_RankFilter(rank_of))
-    handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("[%(who)s] %(levelname)s %(name)s: %(message)s"))
     logging.captureWarnings(True)
     for name, level in (("hpcadapt", config.log_level()), ("py.warnings", logging.WARNING)):
         logger = logging.getLogger(name)

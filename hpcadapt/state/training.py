@@ -350,6 +350,7 @@ class TrainingState:
 
     def _check_model(self, saved: Mapping[str, Any]) -> None:
         mine = self.model.state_dict()
+        params = {n for n, _ in self.model.named_parameters()}
         for name in mine:
             if name not in saved:
                 raise ValueError(f"its model has no {name!r} (this model's parameters: "
@@ -359,11 +360,21 @@ class TrainingState:
                                  f"{tuple(mine[name].shape)} in this model")
             if saved[name].is_floating_point() and not bool(torch.isfinite(saved[name]).all()):
                 raise ValueError(f"its {name!r} holds NaN or infinite values")
+            if name in params and saved[name].numel() and saved[name].is_floating_point():
+                largest = float(saved[name].detach().abs().max())
+                if largest > _WEIGHT_BOUND:
+                    raise ValueError(f"its {name!r} holds a weight of {largest:.3g}, beyond "
+                                     f"any trained model's ({_WEIGHT_BOUND:.0e}): the file is "
+                                     f"damaged")
         extra = [n for n in saved if n not in mine]
         if extra:
             raise ValueError(f"it holds {extra[0]!r}, which this model does not have")
 
 
+# A parameter this large is no trained model's (a damaged file that kept its checksum,
+# written by a run that diverged): refused like an impossible step or cursor. Buffers are
+# not bounded (a running variance of raw inputs can be large).
+_WEIGHT_BOUND = 1e8
 _MOST = 2 ** 62  # larger counts are not a real run's (and overflow where they are used)
 
 
