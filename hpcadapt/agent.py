@@ -9,7 +9,8 @@ step) waits on has ended. The agent is what they wait on instead, as torchrun's 
   (``PR_SET_CHILD_SUBREAPER``), so the workers' launchers, orphaned when rank 0 dies, become
   its children; it returns only when every one of them has ended;
 * it hands the job a private folder (``HPCADAPT_AGENT_DIR``): the coordinator of the moment
-  writes its pid there (stop signals sent to the agent go to it) and, at the end, the job's
+  writes its pid there (stop signals sent to the agent go to it alone, and the launcher only
+  when there is none yet) and, at the end, the job's
   exit code, which becomes the agent's own. Without that file (no coordinator got to the
   end: every worker died) the agent exits with its first launch's code.
 
@@ -80,13 +81,21 @@ def run(command: List[str]) -> int:
         if first is None:
             pending.append(signum)
             return
-        targets = {read_int(folder, COORDINATOR_FILE)}
-        if first_code is None:
-            targets.add(first.pid)  # not reaped yet: the pid is still the launch's
-        for pid in targets - {None}:
+        # To the coordinator alone when there is one: it stops the whole job at the next
+        # step boundary (the flag travels in the step's reduction), while the launcher keeps
+        # forwarding the job's output. Open MPI's mpirun, signalled itself, tears the job
+        # down within a second: its last lines and the summary were lost, exit 1.
+        coordinator = read_int(folder, COORDINATOR_FILE)
+        if coordinator is not None:
             try:
-                os.kill(pid, signum)
-            except OSError:  # gone, or (reused by now) not ours: nothing to stop there
+                os.kill(coordinator, signum)
+                return
+            except OSError:  # gone (a recovery moves the role): the launch then
+                pass
+        if first_code is None:  # not reaped yet: the pid is still the launch's
+            try:
+                os.kill(first.pid, signum)
+            except OSError:
                 pass
 
     first = None

@@ -562,3 +562,21 @@ def test_a_rank_killed_inside_a_slurm_job_is_survived(cluster, tmp_path, cancel_
     assert "NBC_Progress" not in said()  # the runtime's noise is filtered by the script
     summary = json.loads([l for l in said().splitlines() if l.startswith("{")][-1])
     assert summary["world_size"] == 2
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_stop_signal_to_the_agent_saves_ends_75_and_keeps_the_output(tmp_path, sig):
+    """scancel's SIGTERM or Ctrl-C's SIGINT to `python -m hpcadapt.agent -- mpirun ...` (the
+    documented launch on Open MPI): the job stops at a step boundary, saves, and every line
+    reaches the output (the stop line, the summary) with exit 75; the signal is named as it
+    came. mpirun signalled itself tears the job down in a second: its output is lost."""
+    ckpt = tmp_path / "state.ckpt"
+    run = Launch(tmp_path, 4, _short(1000, "--checkpoint", str(ckpt)), agent=True)
+    run.wait_for_step(20)
+    run.proc.send_signal(sig)
+    code = run.finish()
+    err = run.stderr()
+    assert code == 75 and ckpt.exists(), err[-4000:]
+    assert f"stopped on {sig.name} at epoch" in err and "state saved" in err, err[-4000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["stopped"].startswith(sig.name), summary
