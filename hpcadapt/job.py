@@ -303,32 +303,42 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
             self._hook_in_scope("before_train")
         first = True
         skip_before = False
-        while st.epoch < count and not self._over():
-            if st.sampler.epoch != st.epoch:
-                st.sampler.start_epoch(st.epoch)
-            if not (resuming and first) and not skip_before:
-                # A recovery inside it: the other survivors may already be training; every
-                # rank goes straight to the steps, from the state all agreed on.
-                self._hook_in_scope("before_epoch")
-            skip_before = False
-            first = False
-            self._epoch_samples, self._epoch_losses = 0, []
-            self._t_epoch = time.perf_counter()
-            self._epoch_logged = False
-            yield st.epoch
-            if self.left or self.stopped:
+        while True:
+            while st.epoch < count and not self._over():
+                if st.sampler.epoch != st.epoch:
+                    st.sampler.start_epoch(st.epoch)
+                if not (resuming and first) and not skip_before:
+                    # A recovery inside it: the other survivors may already be training;
+                    # every rank goes straight to the steps, from the state all agreed on.
+                    self._hook_in_scope("before_epoch")
+                skip_before = False
+                first = False
+                self._epoch_samples, self._epoch_losses = 0, []
+                self._t_epoch = time.perf_counter()
+                self._epoch_logged = False
+                yielded = st.epoch
+                yield st.epoch
+                if self.left or self.stopped:
+                    break
+                if st.epoch != yielded:
+                    # A recovery gave this rank the state of a survivor that had finished
+                    # the epoch: its end (and the next one's start) came with that state.
+                    skip_before = True
+                    continue
+                if not self._epoch_logged:
+                    self.log_epoch()
+                if self.finished_by_stop_file or self._max_steps_reached():
+                    break
+                done = st.sampler.epoch_done
+                if self._hook_in_scope("after_epoch"):
+                    skip_before = True  # the agreed state says which epoch this is
+                    continue
+                if done:
+                    st.epoch += 1
+                    st.sampler.start_epoch(st.epoch)
+            if self.left or self.stopped or not self._agree_on_the_end():
                 break
-            if not self._epoch_logged:
-                self.log_epoch()
-            if self.finished_by_stop_file or self._max_steps_reached():
-                break
-            done = st.sampler.epoch_done
-            if self._hook_in_scope("after_epoch"):
-                skip_before = True  # the agreed state says which epoch this is
-                continue
-            if done:
-                st.epoch += 1
-                st.sampler.start_epoch(st.epoch)
+            skip_before = True  # recovered at the end: the agreed state says where it is
         if not self.left and not self.stopped:
             self._hook_in_scope("after_train")
         self._finish_elastic()
@@ -338,7 +348,10 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         boundary runs between steps. A rank whose share of a step is empty trains on none
         (its gradient contribution is zero) and yields nothing for that step."""
         st = self._require_setup()
-        while not st.sampler.epoch_done and not self._over():
+        epoch = st.epoch
+        # A recovery may hand this rank the state of a survivor already in the next epoch:
+        # this epoch's iteration then ends (job.epochs() goes on from that state).
+        while st.epoch == epoch and not st.sampler.epoch_done and not self._over():
             self._restart = False  # a recovery in an epoch hook needs no redo
             rounds = st.strategy.asynchronous and self.world.size > 1
             in_step, going_on = True, True

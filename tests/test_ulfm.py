@@ -580,3 +580,19 @@ def test_a_stop_signal_to_the_agent_saves_ends_75_and_keeps_the_output(tmp_path,
     assert f"stopped on {sig.name} at epoch" in err and "state saved" in err, err[-4000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["stopped"].startswith(sig.name), summary
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_a_death_in_the_very_last_step_is_survived(tmp_path, rank):
+    """A rank dies in the last step's gradient exchange (2 epochs of 45 steps: the fault at
+    step 89): ranks that completed the step do not leave while the others recover (they
+    agree at the end that all are alive, or recover with them); every launch ends 0 with
+    every step trained, every sample once."""
+    run = _launch_with_fault(tmp_path, f"gradient:{rank}:89", _short(2), n=4)
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], f["dead"]) for f in failures] == [(True, [rank])], failures
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == 2 and summary["steps"] == 90, summary
+    every_sample_once(run.samples)

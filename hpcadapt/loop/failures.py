@@ -196,6 +196,23 @@ class FailureHandling:
             self.request_resize(self.world.size + len(agreement.dead),
                                 f"replacing failed rank(s) {list(agreement.dead)}")
 
+    def _agree_on_the_end(self) -> bool:
+        """ULFM: no rank leaves before every rank has reached the end (a barrier bounded by
+        the peers' watch). A death in the last step's exchange can let some ranks complete
+        it (ULFM's collectives may complete on some members and fail on others): without
+        this they would leave while the others wait for them in the shrink. The barrier
+        cannot complete while a peer is dead or recovering (its revoke interrupts it), so
+        either all pass or all recover, taking the state of the one furthest on. Returns
+        whether a recovery happened (training goes on from the agreed state)."""
+        if not (world_mod.ULFM and self._recoverable and self.world.size > 1):
+            return False
+        try:
+            world_mod.wait_request(self.world.comm.Ibarrier(), self.world.watch,
+                                   "the end of training")
+        except world_mod.FAILURES as exc:
+            self._recover(exc)  # or ends the job
+        return self._take_restart()
+
     def _coordinator_may_move(self) -> bool:
         """Rank 0's role can move where an agent waits for every worker: under
         ``hpcadapt.agent`` with the local allocator (a companion Slurm job's workers are
