@@ -596,3 +596,25 @@ def test_a_death_in_the_very_last_step_is_survived(tmp_path, rank):
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["epochs"] == 2 and summary["steps"] == 90, summary
     every_sample_once(run.samples)
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["mpirun", "agent"])
+def test_a_stop_after_a_recovered_failure_leaves_nothing_behind(tmp_path, agent):
+    """Rank 2 of 4 is killed, the job recovers on 3, then a stop signal (SIGUSR1, Slurm's
+    --signal; to mpirun or to the agent): the state is saved, exit 75, and no process of the
+    job is left."""
+    from procs import processes_mentioning
+
+    ckpt = tmp_path / "state.ckpt"
+    run = Launch(tmp_path, 4, _short(1000, "--checkpoint", str(ckpt)), agent=agent)
+    run.wait_for_step(20)
+    pids = run.kill([2])
+    run.wait_for(lambda: run.rows("failure"), "the recovery")
+    step = run.rows("failure")[0]["step"]
+    run.wait_for_step(step + 10)
+    run.proc.send_signal(signal.SIGUSR1)
+    code = run.finish()
+    assert code == 75 and ckpt.exists(), run.stderr()[-4000:]
+    assert "stopped on SIGUSR1" in run.stderr()
+    left = [p for p in processes_mentioning(str(run.metrics)) if alive(p)]
+    assert not left and not [p for p in pids if alive(p)], left
