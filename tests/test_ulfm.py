@@ -618,3 +618,4 @@ def test_a_stop_after_a_recovered_failure_leaves_nothing_behind(tmp_path, agent)
     assert "stopped on SIGUSR1" in run.stderr()
     left = [p for p in processes_mentioning(str(run.metrics)) if alive(p)]
     assert not left and not [p for p in pids if alive(p)], left
+
