@@ -453,6 +453,22 @@ def test_a_second_death_during_the_recovery_is_survived(tmp_path):
     every_sample_once(run.samples)
 
 
+def test_a_death_while_the_survivors_form_their_world_is_recovered_again(tmp_path):
+    """Rank 1 dies at step 30; rank 2 dies after the shrink agreed without rank 1, while the
+    new world forms (HPCADAPT_FAULT formation:2:0: what several ranks killed together can
+    do). The recovery starts again from the world being formed: ranks 0 and 3 finish every
+    epoch with exit 0, one failure record naming both dead in the first world's ranks."""
+    run = _launch_with_fault(tmp_path, "gradient:1:30,formation:2:0", _short(2), n=4)
+    code = run.finish()
+    assert code == 0, run.stderr()[-4000:]
+    failures = run.rows("failure")
+    assert [(f["recovered"], sorted(f["dead"]), f["old_size"], f["world_size"])
+            for f in failures] == [(True, [1, 2], 4, 2)], failures
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["epochs"] == 2 and summary["world_size"] == 2, summary
+    every_sample_once(run.samples)
+
+
 def _launch_with_fault(tmp_path, fault, program, n=3):
     os.environ["HPCADAPT_FAULT"] = fault
     try:

@@ -9,7 +9,8 @@ STEP or later; a signal other than SIGKILL is sent once (SIGUSR1: a stop asked r
 there). Phases: ``gradient`` (before the step's gradient exchange completes), ``plan``
 (before a boundary's plan broadcast), ``join`` (before the running job merges with spawned
 joiners), ``state`` (before rank 0 sends the state to joiners), ``recovery`` (on entering
-the recovery from another rank's death). Unset, each point costs one comparison."""
+the recovery from another rank's death), ``formation`` (in a recovery, after the survivors
+agreed and before their new world has formed). Unset, each point costs one comparison."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import List, Tuple
 
 __all__ = ["point", "PHASES"]
 
-PHASES = ("gradient", "plan", "join", "state", "recovery")
+PHASES = ("gradient", "plan", "join", "state", "recovery", "formation")
 
 Fault = Tuple[str, int, int, int]   # phase, launch rank, step, signal number
 

@@ -12,6 +12,7 @@ import os
 import time
 import zlib
 from dataclasses import asdict
+from typing import Optional
 
 import numpy as np
 
@@ -91,7 +92,8 @@ class FailureHandling:
         world_mod.leave_with_launch_siblings(5.0)
         lifecycle.end_process(code)
 
-    def _recover(self, exc: BaseException, *, step_given_up: bool = False) -> None:
+    def _recover(self, exc: BaseException, *, step_given_up: bool = False,
+                 earlier: Optional["_EarlierAttempt"] = None) -> None:
         """A peer died in the middle of a step or at its boundary. The survivors agree on
         who died (hpcadapt.elastic.recovery), form a world without it, and take the state of the
         survivor furthest on (one that finished the step in flight before the others
@@ -101,15 +103,19 @@ class FailureHandling:
         death cannot be survived (see ``recovery.unrecoverable``) or recovery fails.
         ``step_given_up``: the death cut a step (round) short, so what the loop body does
         after that ``job.step`` is undone at the next batch; a death at a boundary, in a
-        join or after the step committed leaves the body's work of the committed step."""
+        join or after the step committed leaves the body's work of the committed step.
+        Under ULFM a death found while the new world forms (several ranks killed together
+        can outlast the shrink that follows the first) is recovered from again, from the
+        world being formed: ``earlier`` carries what the first attempt knew."""
         from hpcadapt.elastic import recovery
         from hpcadapt.elastic.membership import ResizeOutcome
 
         exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         if self.options.on_failure != "recover" or exc.cause not in ("dead", "notice"):
             self._fail(exc)
-        t0 = time.perf_counter()
-        old_size, version = self.world.size, self.world.cluster_version
+        if earlier is None:
+            earlier = _EarlierAttempt(time.perf_counter(), self.world)
+        t0, old_size, version = earlier.t0, earlier.old_size, earlier.version
         shrunk = None
 
         def expire(reason: str) -> None:
@@ -126,14 +132,16 @@ class FailureHandling:
         except world_mod.FAILURES as again:
             self._fail(world_mod.as_failure(again, "the recovery"))
         t_agreed = time.perf_counter()
-        why = recovery.unrecoverable(self.world, agreement,
+        this_world = agreement
+        agreement = earlier.in_first_world(this_world)  # the dead named in the first world
+        why = recovery.unrecoverable(earlier, agreement,
                                      coordinator_may_move=self._coordinator_may_move(),
                                      launch_survives=world_mod.ULFM)
         if why is not None:
             self._fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
                                              rank=agreement.dead[0] if agreement.dead else -1,
                                              cause="dead"))
-        dead_pids = [self.world.pids[d] for d in agreement.dead]
+        dead_pids = [earlier.pids[d] for d in agreement.dead]
         if self._in_flight is not None:
             # The step in flight is given up: this rank goes back to its last commit before
             # the survivors compare states (the one furthest on is then everyone's).
@@ -151,6 +159,7 @@ class FailureHandling:
                 t_formed = time.perf_counter()
                 self.world.abandon()
                 self.optimizer.abandon_in_flight()
+                faults.point("formation", self.state.step)  # a death after the shrink
                 self.world.replace(comm)
                 if 0 in agreement.dead and self.world.rank == 0:
                     self._take_coordinator_role()
@@ -164,7 +173,14 @@ class FailureHandling:
                         self.engine.load_state_dict(policy_state)  # rank 0's decide
                 self._holds_state = True
             except world_mod.FAILURES as again:
-                self._fail(world_mod.as_failure(again, "the recovery"))
+                again = world_mod.as_failure(again, "the recovery")
+                if not (world_mod.ULFM and again.cause in ("dead", "notice")
+                        and earlier.attempts + 1 < old_size):
+                    self._fail(again)
+                # The formation cut short: its communicator, with its new dead, is the world
+                # to shrink now (the step in flight was given up already).
+                return self._recover(again, step_given_up=step_given_up,
+                                     earlier=earlier.then(this_world))
         self._walk = None
         self._restart = True
         self._step_open = False
@@ -269,3 +285,31 @@ class FailureHandling:
                                         "that did died during a join)", cause="dead")
         same = bool((table[:, :2] == table[0, :2]).all())
         return int(np.argmax(table[:, 0])), same
+
+
+
+class _EarlierAttempt:
+    """What a recovery knows of the world it began in (its size, version, pids, launches)
+    and which of that world's ranks survive so far: a recovery cut short by another death
+    starts again from the world being formed, and the one that completes names the dead in
+    the first world's ranks."""
+
+    def __init__(self, t0: float, world):
+        self.t0, self.old_size, self.version = t0, world.size, world.cluster_version
+        self.pids = list(world.pids)
+        self.launches = list(world.launches)   # what recovery.unrecoverable reads
+        self.survivors = tuple(range(world.size))
+        self.attempts = 0
+
+    def in_first_world(self, agreement):
+        """``agreement`` (over the current survivors) in the first world's ranks."""
+        from hpcadapt.elastic.recovery import Agreement
+
+        left = tuple(self.survivors[r] for r in agreement.survivors)
+        return Agreement(tuple(r for r in range(self.old_size) if r not in left), left)
+
+    def then(self, agreement) -> "_EarlierAttempt":
+        """After ``agreement`` over the current survivors, a formation cut short."""
+        self.survivors = tuple(self.survivors[r] for r in agreement.survivors)
+        self.attempts += 1
+        return self
