@@ -24,9 +24,11 @@ STAMP := $(VENV)/.hpcadapt-installed
 # The venv's mpiexec (from the MPI wheel) when present, else the site's.
 MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec) $(MPIRUN_FLAGS)
 TIMEOUT := timeout --signal=KILL
+# The unit suite's own cap (make test-long raises it: its repeated tests run at full size).
+UNIT_CAP ?= $(if $(HPCADAPT_TEST_FULL),7200,2400)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-unit test-mpi test-openmpi test-ulfm test-train bench bench-quick clean
+.PHONY: setup demo test test-long test-unit test-mpi test-openmpi test-ulfm test-train bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -72,12 +74,18 @@ endif
 test-openmpi:
 	$(MAKE) MPI=openmpi test
 
+# The same suite with every repeated-fault test, soak and combination matrix at its full size
+# (20 kills in one job, every cell of the policy x launch x program matrix, ...): `make test`
+# runs each at a size that exercises every path within CI's time.
+test-long:
+	HPCADAPT_TEST_FULL=1 $(MAKE) test
+
 # Kills of any rank under `mpirun --with-ft ulfm` (skipped on an MPI without ULFM).
 test-ulfm: $(STAMP)
 	$(TIMEOUT) 1200 $(PYTEST) -q --timeout=600 --durations=10 tests/test_ulfm.py
 
 test-unit: $(STAMP)
-	$(TIMEOUT) 2400 $(PYTEST) -q --timeout=600 --durations=20 tests
+	$(TIMEOUT) $(UNIT_CAP) $(PYTEST) -q --timeout=600 --durations=20 tests
 
 test-mpi: $(STAMP)
 	$(TIMEOUT) 600 $(MPIEXEC) -n 2 $(PYTEST) -q --with-mpi -m mpi --timeout=300 tests

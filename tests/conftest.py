@@ -47,6 +47,17 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
+# `make test` (CI) runs each repeated-fault test, soak and combination matrix at a size that
+# exercises every path; `make test-long` (HPCADAPT_TEST_FULL=1) at the full size, the one
+# their names and docstrings state (20 kills, every cell of the matrix, ...).
+FULL = os.environ.get("HPCADAPT_TEST_FULL") == "1"
+
+
+def repeats(full: int, ci: int) -> int:
+    """How many times a repeated test repeats: ``full`` under make test-long, else ``ci``."""
+    return full if FULL else ci
+
+
 def mpiexec() -> str:
     """The mpiexec beside this Python (the venv's MPICH wheel), else the one on PATH."""
     local = Path(sys.executable).parent / "mpiexec"

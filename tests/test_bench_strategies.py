@@ -8,9 +8,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT, reap_on_teardown
+from conftest import FULL, ROOT, reap_on_teardown
 
-pytestmark = pytest.mark.slow
+# make test runs the same command through make bench-quick (every benchmark's quick mode);
+# these finer checks of its output run under make test-long.
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not FULL, reason="make test-long (make bench-quick runs it)")]
 
 RUNS = ["ssgd/none", "ssgd/compute", "sma/compute", "local-sgd/compute",
         "pair-avg/compute", "bounded-delay/compute", "sync-switch/compute", "straggler/compute",

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown
+from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown, repeats
 from procs import alive, processes_mentioning, python_ranks, zombie_children
 
 pytestmark = pytest.mark.slow
@@ -290,12 +290,13 @@ def _regrown(rows, failures):
 
 
 def test_twenty_joined_workers_killed_and_replaced_in_one_job_never_hang(tmp_path):
-    """The kill-a-worker test 20 times in one job: each death is recovered from, the
-    replacement (--replace-failed) joins stop-free, and the next one is killed."""
+    """The kill-a-worker test 20 times in one job (5 under make test, 20 under make
+    test-long): each death is recovered from, the replacement (--replace-failed) joins
+    stop-free, and the next one is killed."""
     run = Run(tmp_path, 2, ["--max-workers", "3", "--policy", "resize-schedule",
                             "--resize-schedule-steps", "3:3", "--replace-failed",
                             "--check-replicas"])
-    kills = 20
+    kills = repeats(20, 5)
     for i in range(kills):
         try:
             run.wait_for(f"the world of 3 again after {i} kills",
@@ -455,8 +456,8 @@ def test_ten_joiners_killed_at_their_ready_file_never_hang(tmp_path):
     """Twelve grows in one job, each joiner killed the moment its ready file appears: each
     grow is abandoned and training goes on at 2 workers; a kill that lands in the join's
     unpollable milliseconds ends the job cleanly instead (exit 75, state saved). Never a
-    hang."""
-    repetitions = 12
+    hang. (4 grows under make test, 12 under make test-long.)"""
+    repetitions = repeats(12, 4)
     run = _grow_run(tmp_path, repetitions)
     seen = set()
     for i in range(repetitions):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpiexec, reap_on_teardown
+from conftest import FULL, ROOT, mpiexec, reap_on_teardown
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +43,20 @@ PROGRAMS = {
 }
 
 
+def _cells():
+    """Every policy under every launch mode. Under make test each (policy, launch) cell runs
+    once, through the entry point or a user's script in turn (each policy and each launch
+    mode meets both programs); make test-long runs all three dimensions in full."""
+    cells = []
+    for i, policy in enumerate(sorted(POLICIES)):
+        for j, launch in enumerate(sorted(LAUNCHES)):
+            programs = sorted(PROGRAMS) if FULL else [sorted(PROGRAMS)[(i + j) % 2]]
+            cells += [(policy, launch, program) for program in programs]
+    return cells
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("program", sorted(PROGRAMS))
-@pytest.mark.parametrize("launch", sorted(LAUNCHES))
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy,launch,program", _cells())
 def test_every_policy_under_every_launch_trains(tmp_path, policy, launch, program):
     ranks, launch_flags = LAUNCHES[launch]
     metrics = tmp_path / "m.jsonl"

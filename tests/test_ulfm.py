@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from conftest import ROOT, complete_rows, reap_on_teardown
+from conftest import FULL, ROOT, complete_rows, reap_on_teardown, repeats
 from procs import alive, launch_ranks
 from test_failure import every_sample_once
 
@@ -162,7 +162,8 @@ def _workers_of(pids):
     return out
 
 
-@pytest.mark.parametrize("victims", [[1, 3], [0, 1, 3]], ids=["two-at-once", "all-but-one"])
+@pytest.mark.parametrize("victims", [[1, 3], [0, 1, 3]][:2 if FULL else 1],
+                         ids=["two-at-once", "all-but-one"][:2 if FULL else 1])
 def test_ranks_killed_with_their_loader_workers_end_with_them(tmp_path, victims):
     """A user's script whose loader has 2 persistent workers per rank: killed ranks take
     their workers with them at once (nothing holds mpirun's output open), the survivors
@@ -501,12 +502,13 @@ def test_a_stop_signal_during_a_recovery_stops_the_job_saved_and_it_resumes(tmp_
 
 
 def test_twenty_random_kills_are_each_survived(tmp_path):
-    """Twenty launches, each losing a random rank at a random step: 20 of 20 recover, train
+    """Twenty launches (6 under make test), each losing a random rank at a random step: all
+    recover, train
     on and finish when told. Each trains until its stop file appears, so the kill always
     lands while it trains (with a fixed number of epochs a kill polled near the last step
     could land after training ended, on a fast machine)."""
     rng = random.Random(24)
-    for i in range(20):
+    for i in range(repeats(20, 6)):
         victim, at = rng.randrange(4), rng.randrange(5, 80)
         stop = tmp_path / f"STOP{i}"
         run = Launch(tmp_path, 4, _short(1000, "--stop-file", str(stop)), name=f"run{i}")
@@ -580,7 +582,8 @@ def test_a_rank_killed_inside_a_slurm_job_is_survived(cluster, tmp_path, cancel_
     assert summary["world_size"] == 2
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT][:2 if FULL else 1],
+                         ids=["TERM", "INT"][:2 if FULL else 1])
 def test_a_stop_signal_to_the_agent_saves_ends_75_and_keeps_the_output(tmp_path, sig):
     """scancel's SIGTERM or Ctrl-C's SIGINT to `python -m hpcadapt.agent -- mpirun ...` (the
     documented launch on Open MPI): the job stops at a step boundary, saves, and every line
@@ -598,7 +601,7 @@ def test_a_stop_signal_to_the_agent_saves_ends_75_and_keeps_the_output(tmp_path,
     assert summary["stopped"].startswith(sig.name), summary
 
 
-@pytest.mark.parametrize("rank", [0, 1, 3])
+@pytest.mark.parametrize("rank", [0, 1, 2, 3] if FULL else [0, 3])
 def test_a_death_in_the_very_last_step_is_survived(tmp_path, rank):
     """A rank dies in the last step's gradient exchange (2 epochs of 45 steps: the fault at
     step 89): ranks that completed the step do not leave while the others recover (they
@@ -614,7 +617,8 @@ def test_a_death_in_the_very_last_step_is_survived(tmp_path, rank):
     every_sample_once(run.samples)
 
 
-@pytest.mark.parametrize("agent", [False, True], ids=["mpirun", "agent"])
+@pytest.mark.parametrize("agent", [False, True][0 if FULL else 1:],
+                         ids=["mpirun", "agent"][0 if FULL else 1:])
 def test_a_stop_after_a_recovered_failure_leaves_nothing_behind(tmp_path, agent):
     """Rank 2 of 4 is killed, the job recovers on 3, then a stop signal (SIGUSR1, Slurm's
     --signal; to mpirun or to the agent): the state is saved, exit 75, and no process of the
