@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "metrics file); 0: at epoch ends only")
     g.add_argument("--threads", type=_threads, default=0,
                    help="torch intra-op threads per rank (0: torch's default)")
+    g.add_argument("--loader-workers", type=_non_negative_int, default=0, metavar="N",
+                   help="data-loader worker processes per rank (DataLoader's num_workers; "
+                        "persistent, they die with their rank; 0: batches are read in the "
+                        "rank itself)")
     add_arguments(p)
     return p
 

@@ -135,7 +135,8 @@ def run_builtin(args: argparse.Namespace) -> Dict[str, Any]:
     optimizer = _optimizer(args, model)
     on_gpu = device.type == "cuda"
     loader = ElasticDataLoader(TensorDataset(data.x_train, data.y_train),
-                               batch_size=args.batch_size, seed=args.seed, pin_memory=on_gpu)
+                               batch_size=args.batch_size, seed=args.seed, pin_memory=on_gpu,
+                               num_workers=getattr(args, "loader_workers", 0))
     x_test, y_test = data.x_test.to(device), data.y_test.to(device)
     loss_fn = nn.CrossEntropyLoss()
     sched = _scheduler(args, job, optimizer, len(data.x_train))

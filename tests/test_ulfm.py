@@ -525,12 +525,14 @@ def test_twenty_random_kills_are_each_survived(tmp_path):
 def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
     """tests/drivers/soak.py --mpi openmpi, 10 events of a fixed seed in one job (kills of any
     rank, rank 0 included, each replaced by a spawned worker; stops through mpirun with a
-    resume; scheduled grows and shrinks): no hang, every sample once, replicas identical,
-    every failure recovered, nothing left, no growth of fds, children or memory."""
+    resume; scheduled grows and shrinks), every rank with 2 loader worker processes: no
+    hang, every sample once, replicas identical, every failure recovered, nothing left (no
+    worker either, in the process table or TMPDIR), no growth of fds, children or memory."""
     out = tmp_path / "soak.json"
     cmd = [sys.executable, str(ROOT / "tests" / "drivers" / "soak.py"), "--mpi", "openmpi",
            "--events", "10", "--seed", "5", "--workdir", str(tmp_path / "work"), "--json",
-           str(out), "--quiet", "--event-timeout", "150", "--start-timeout", "150"]
+           str(out), "--quiet", "--event-timeout", "150", "--start-timeout", "150",
+           "--loader-workers", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=1500)
     result = json.loads(out.read_text())

@@ -348,7 +348,8 @@ class Soak:
                      "--check-replicas", "--max-workers", "4", "--replace-failed",
                      "--policy", "resize-schedule", "--resize-schedule-hold", str(a.hold),
                      "--resize-schedule-steps",
-                     ",".join(f"{i + 1}:{s}" for i, s in enumerate(self.schedule))]
+                     ",".join(f"{i + 1}:{s}" for i, s in enumerate(self.schedule)),
+                     "--loader-workers", str(a.loader_workers)]
         self.m = Metrics(self.metrics_path)
         self.proc: Optional[subprocess.Popen] = None
         self.launches = 0
@@ -744,6 +745,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-backtraces", action="store_true",
                    help="on a hang, do not collect gdb stacks")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="data-loader worker processes per rank (forks of each rank, which "
+                        "must die with it and never count as ranks)")
     p.add_argument("--mpi", choices=("mpich", "openmpi"), default="mpich",
                    help="openmpi: one `mpirun --with-ft ulfm` launch (run with .venv-openmpi's "
                    "python); kills take any rank, rank 0 included, and stops signal mpirun")
