@@ -122,6 +122,8 @@ def test_an_unknown_flag_on_two_ranks_is_named_once_with_where_the_flags_are(pro
     (["--initial-workers", "5", "--max-workers", "4"], "--initial-workers 5 is above"),
     (["--min-workers", "3", "--max-workers", "2"], "--max-workers 2 is below"),
     (["--checkpoint-every", "5"], "--checkpoint-every 5 needs --checkpoint FILE"),
+    (["--warm-spares", "1"], "--warm-spares needs --max-workers"),
+    (["--policy", "autoscale"], "--policy autoscale resizes the job and needs --max-workers"),
 ])
 def test_worker_count_refusals_on_three_ranks_are_one_line_printed_once(flags, words):
     """Every rank checks the same flags; rank 0 alone says what is wrong, every rank ends
