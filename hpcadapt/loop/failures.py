@@ -93,7 +93,7 @@ class FailureHandling:
         lifecycle.end_process(code)
 
     def _recover(self, exc: BaseException, *, step_given_up: bool = False,
-                 earlier: Optional["_EarlierAttempt"] = None) -> None:
+                 earlier: Optional["_RecoveryStart"] = None) -> None:
         """A peer died in the middle of a step or at its boundary. The survivors agree on
         who died (hpcadapt.elastic.recovery), form a world without it, and take the state of the
         survivor furthest on (one that finished the step in flight before the others
@@ -114,7 +114,7 @@ class FailureHandling:
         if self.options.on_failure != "recover" or exc.cause not in ("dead", "notice"):
             self._fail(exc)
         if earlier is None:
-            earlier = _EarlierAttempt(time.perf_counter(), self.world)
+            earlier = _RecoveryStart(time.perf_counter(), self.world)
         t0, old_size, version = earlier.t0, earlier.old_size, earlier.version
         shrunk = None
 
@@ -287,8 +287,7 @@ class FailureHandling:
         return int(np.argmax(table[:, 0])), same
 
 
-
-class _EarlierAttempt:
+class _RecoveryStart:
     """What a recovery knows of the world it began in (its size, version, pids, launches)
     and which of that world's ranks survive so far: a recovery cut short by another death
     starts again from the world being formed, and the one that completes names the dead in
@@ -308,7 +307,7 @@ class _EarlierAttempt:
         left = tuple(self.survivors[r] for r in agreement.survivors)
         return Agreement(tuple(r for r in range(self.old_size) if r not in left), left)
 
-    def then(self, agreement) -> "_EarlierAttempt":
+    def then(self, agreement) -> "_RecoveryStart":
         """After ``agreement`` over the current survivors, a formation cut short."""
         self.survivors = tuple(self.survivors[r] for r in agreement.survivors)
         self.attempts += 1
