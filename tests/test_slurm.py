@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import complete_rows
+from conftest import FULL, complete_rows
 from hpcadapt.base.errors import AllocationError
 from hpcadapt.slurm.commands import (check_hostlist, check_job_id, check_node_name,
                                      check_partition, parse_cpus_per_node, parse_duration,
@@ -564,6 +564,8 @@ def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster
 
 
 @pytest.mark.slurm
+@pytest.mark.skipif(not FULL, reason="make test-long (minutes of Slurm job time; the "
+                                     "USR1 requeue test covers the signal path)")
 def test_a_requeued_job_that_had_grown_comes_back_at_its_size(cluster, tmp_path,
                                                               cancel_leftovers):
     """A job that a policy grew to 2 nodes (one a companion allocation's), stopped by USR1
@@ -596,6 +598,8 @@ def test_a_requeued_job_that_had_grown_comes_back_at_its_size(cluster, tmp_path,
 
 
 @pytest.mark.slurm
+@pytest.mark.skipif(not FULL, reason="make test-long (minutes of Slurm job time; the "
+                                     "USR1 requeue test covers the signal path)")
 def test_time_limit_signal_requeues_until_the_training_is_done(cluster, tmp_path,
                                                               cancel_leftovers):
     """The real thing: a two-minute job that needs longer. Slurm sends USR1 60 s before the
