@@ -25,7 +25,7 @@ STAMP := $(VENV)/.hpcadapt-installed
 MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec) $(MPIRUN_FLAGS)
 TIMEOUT := timeout --signal=KILL
 # The unit suite's own cap (make test-long raises it: its repeated tests run at full size).
-UNIT_CAP ?= $(if $(HPCADAPT_TEST_FULL),7200,2400)
+UNIT_CAP ?= $(if $(HPCADAPT_TEST_FULL),7200,3000)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
 .PHONY: setup demo test test-long test-unit test-mpi test-openmpi test-ulfm test-train bench bench-quick clean

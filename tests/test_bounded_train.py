@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpiexec, reap_on_teardown
+from conftest import FULL, ROOT, mpiexec, reap_on_teardown
 from test_failure import Run, every_sample_once
 from test_strategies_train import TRAIN, _train as train
 
@@ -23,6 +23,7 @@ def _train(tmp_path, name, flags, epochs=8, ranks=3):
     return train(tmp_path, name, flags, epochs=epochs, ranks=ranks)
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 def test_bounded_delay_with_a_slowed_rank_bounds_delays_and_matches_ssgd(tmp_path):
     ssgd, _ = _train(tmp_path, "ssgd", [])
     summary, rows = _train(tmp_path, "bd", ["--strategy", "bounded-delay", "--max-delay", "2",
@@ -49,6 +50,7 @@ def test_bounded_delay_with_a_slowed_rank_bounds_delays_and_matches_ssgd(tmp_pat
     assert per_worker["2"] < per_worker["1"], per_worker
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 def test_straggler_async_switches_while_the_straggler_lasts(tmp_path):
     _, rows = _train(tmp_path, "sa", [
         "--policy", "straggler-async", "--straggler-async-patience", "3",
@@ -174,6 +176,7 @@ def test_a_worker_killed_in_a_round_is_recovered_and_rounds_go_on(tmp_path):
     run.assert_no_process_left()
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 def test_the_divergence_guard_counts_updates_not_rounds(tmp_path):
     """--lr 1e6 under bounded delay: the updates turn non-finite; the guard counts them (one
     round of 20 steps holds far more than --max-nonfinite-steps 5), so the job stops with

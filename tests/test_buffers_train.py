@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown, run_mpi, wait_for
+from conftest import FULL, ROOT, complete_rows, mpiexec, reap_on_teardown, run_mpi, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +35,7 @@ def test_buffers_end_bit_identical_on_every_rank_by_default(tmp_path):
     assert all(e["replicas_identical"] is True for e in ends)
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 def test_without_the_broadcast_the_buffers_differ_and_the_replicas_are_not_identical(tmp_path):
     """The parameters are identical and only the running statistics differ: the digest
     that --check-replicas and job.replicas_identical() compare sees them."""

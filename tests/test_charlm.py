@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_mpi
+from conftest import FULL, ROOT, run_mpi
 import hpcadapt.datasets as datasets
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.metrics import RESERVED_EVAL_KEYS, MetricsSink
@@ -247,6 +247,7 @@ def test_a_wsd_schedule_that_overlaps_its_warmup_is_one_line():
            "run" in proc.stderr
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 @pytest.mark.slow
 def test_the_example_script_trains_and_logs_evals(tmp_path):
     metrics = tmp_path / "m.jsonl"

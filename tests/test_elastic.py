@@ -120,6 +120,7 @@ def test_a_resizing_policy_without_an_allocator_is_refused_at_start_once(tmp_pat
     assert "Traceback" not in proc.stderr and not metrics.exists()
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 def test_the_host_staged_plane_is_rebuilt_across_a_grow_and_a_shrink(tmp_path):
     """The data plane GPUs use when ranks share one, here with CPU tensors: a new
     communicator per cluster version, replicas identical after each resize."""

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown, repeats
+from conftest import FULL, ROOT, complete_rows, mpiexec, reap_on_teardown, repeats
 from procs import alive, processes_mentioning, python_ranks, zombie_children
 
 pytestmark = pytest.mark.slow
@@ -341,6 +341,7 @@ def test_checkpoint_every_leaves_a_state_to_resume_after_a_crash_that_saves_noth
     assert f"resumed from {run.checkpoint} at epoch {epoch}, step {saved}" in again.stderr
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 def test_sigkill_of_a_joined_worker_with_on_failure_stop_ends_the_job_with_the_state_saved(
         tmp_path):
     run = Run(tmp_path, 2, ["--max-workers", "3", "--policy", "resize-schedule",
@@ -435,6 +436,7 @@ def _ended_by_the_join_watchdog(run) -> bool:
     return True
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 def test_joiner_killed_right_after_its_ready_file_is_abandoned(tmp_path):
     run = _grow_run(tmp_path, 1)
     _kill_at_ready(run, set())

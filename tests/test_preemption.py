@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, mpiexec, reap_on_teardown, wait_for
+from conftest import FULL, ROOT, mpiexec, reap_on_teardown, wait_for
 from hpcadapt.base.preemption import EXIT_REQUEUE, StopSignals, parse_signal
 
 
@@ -202,7 +202,7 @@ def test_a_stop_signal_without_a_checkpoint_ends_the_job_saying_nothing_was_save
     assert _summary(out)["stopped"] == "a stop signal on another rank; state NOT saved"
 
 
-@pytest.mark.parametrize("saved", [True, False])
+@pytest.mark.parametrize("saved", [True, pytest.param(False, marks=pytest.mark.skipif(not FULL, reason="make test-long"))])
 def test_ctrl_c_stops_at_a_step_boundary_like_a_stop_signal(tmp_path, saved):
     """SIGINT to mpiexec (Ctrl-C), which forwards it to every rank: no KeyboardInterrupt
     traceback from each rank; with --checkpoint the state is saved (exit 75), without it one

@@ -442,6 +442,7 @@ def test_a_joined_worker_killed_on_slurm_is_recovered_from_and_its_node_released
     assert_each_sample_at_most_once_per_epoch(tmp_path, summary_of(out)["epochs"])
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 @pytest.mark.slurm
 def test_requests_that_cannot_be_met_leave_training_running_with_the_reason(cluster, tmp_path):
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
@@ -478,6 +479,7 @@ def test_requests_that_cannot_be_met_leave_training_running_with_the_reason(clus
     assert not any(o.named(f"hpcadapt-join-{j}") for o in watch.observations for j in (a, b, c))
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 @pytest.mark.slurm
 @pytest.mark.parametrize("mode", ["companion", "expand"])
 def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, tmp_path, mode,

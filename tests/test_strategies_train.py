@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpiexec
+from conftest import FULL, ROOT, mpiexec
 from test_failure import Run, every_sample_once
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_a_switch_mid_epoch_to_ssgd_and_back_leaves_identical_replicas(tmp_path)
     every_sample_once(tmp_path / "switch-samples")
 
 
-@pytest.mark.parametrize("strategy", ["sma", "pair-avg"])
+@pytest.mark.parametrize("strategy", ["sma", pytest.param("pair-avg", marks=pytest.mark.skipif(not FULL, reason="make test-long"))])
 def test_model_averaging_goes_on_across_a_grow_and_a_shrink(tmp_path, strategy):
     """Under pair-avg the window is rebuilt for each world (the joiner takes part from its
     first step) and the shrink's leaver frees it with the survivors."""
@@ -98,6 +98,7 @@ def test_a_switch_from_pair_averaging_into_ssgd_leaves_identical_replicas(tmp_pa
     every_sample_once(tmp_path / "pair-switch-samples")
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 def test_topology_auto_takes_the_hierarchical_allreduce_on_two_emulated_nodes(tmp_path):
     summary, rows = _train(tmp_path, "topo", [
         "--ranks-per-node", "2", "--policy", "topology-auto", "--topology-auto-window", "10"],

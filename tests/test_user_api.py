@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 
-from conftest import ROOT, complete_rows, mpiexec, reap_on_teardown, run_mpi, wait_for
+from conftest import FULL, ROOT, complete_rows, mpiexec, reap_on_teardown, run_mpi, wait_for
 
 EXAMPLE = str(ROOT / "examples" / "mnist1d_adamw.py")
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -341,6 +341,7 @@ def _amp_run(tmp_path, name, flags):
     return summary_of(proc.stdout), steps, proc.stderr
 
 
+@pytest.mark.skipif(not FULL, reason="make test-long")
 @pytest.mark.slow
 def test_mixed_precision_with_a_gradient_scaler_trains_and_monitors_like_full_precision(
         tmp_path):
@@ -373,7 +374,7 @@ def test_mixed_precision_with_a_gradient_scaler_trains_and_monitors_like_full_pr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["pair-avg", "bounded-delay"])
+@pytest.mark.parametrize("strategy", [pytest.param("pair-avg", marks=pytest.mark.skipif(not FULL, reason="make test-long")), "bounded-delay"])
 def test_own_script_trains_under_the_asynchronous_strategies(tmp_path, strategy):
     """The user's loop is the same under pair averaging and bounded-delay rounds (rank 0 then
     aggregates and its loader yields nothing during a round; the others' loaders read the
