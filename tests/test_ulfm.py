@@ -121,8 +121,10 @@ def _assert_recovered(run, killed_ranks, killed_pids, n, epochs=EPOCHS):
     return failures[0]
 
 
-@pytest.mark.parametrize("victims", [[0], [1], [3], [1, 2], [0, 1, 3]],
-                         ids=["rank0", "middle", "last", "two-at-once", "all-but-one"])
+@pytest.mark.parametrize("victims", [
+    pytest.param([0], id="rank0"), pytest.param([1], id="middle", marks=pytest.mark.skipif(not FULL, reason="make test-long")),
+    pytest.param([3], id="last", marks=pytest.mark.skipif(not FULL, reason="make test-long")), pytest.param([1, 2], id="two-at-once"),
+    pytest.param([0, 1, 3], id="all-but-one")])
 def test_the_entry_point_survives_the_death_of_any_rank(tmp_path, victims):
     run = Launch(tmp_path, 4, ENTRY)
     run.wait_for_step(60)
@@ -188,10 +190,13 @@ def _short(epochs, *flags):
     return ENTRY[:at] + [str(epochs)] + ENTRY[at + 1:] + list(flags)
 
 
-@pytest.mark.parametrize("flags", [["--strategy", "sma"], ["--strategy", "local-sgd"],
-                                   ["--strategy", "pair-avg"], ["--strategy", "bounded-delay"],
-                                   ["--topology", "ring"], ["--topology", "hierarchical"]],
-                         ids=lambda f: f[1])
+@pytest.mark.parametrize("flags", [
+    pytest.param(["--strategy", "sma"], id="sma", marks=pytest.mark.skipif(not FULL, reason="make test-long")),
+    pytest.param(["--strategy", "local-sgd"], id="local-sgd", marks=pytest.mark.skipif(not FULL, reason="make test-long")),
+    pytest.param(["--strategy", "pair-avg"], id="pair-avg"),
+    pytest.param(["--strategy", "bounded-delay"], id="bounded-delay"),
+    pytest.param(["--topology", "ring"], id="ring", marks=pytest.mark.skipif(not FULL, reason="make test-long")),
+    pytest.param(["--topology", "hierarchical"], id="hierarchical")])
 def test_rank_0_dies_under_every_strategy_and_topology(tmp_path, flags):
     run = Launch(tmp_path, 3, _short(3, *flags))
     run.wait_for_step(50)
@@ -502,13 +507,13 @@ def test_a_stop_signal_during_a_recovery_stops_the_job_saved_and_it_resumes(tmp_
 
 
 def test_twenty_random_kills_are_each_survived(tmp_path):
-    """Twenty launches (6 under make test), each losing a random rank at a random step: all
+    """Twenty launches (3 under make test), each losing a random rank at a random step: all
     recover, train
     on and finish when told. Each trains until its stop file appears, so the kill always
     lands while it trains (with a fixed number of epochs a kill polled near the last step
     could land after training ended, on a fast machine)."""
     rng = random.Random(24)
-    for i in range(repeats(20, 6)):
+    for i in range(repeats(20, 3)):
         victim, at = rng.randrange(4), rng.randrange(5, 80)
         stop = tmp_path / f"STOP{i}"
         run = Launch(tmp_path, 4, _short(1000, "--stop-file", str(stop)), name=f"run{i}")
