@@ -18,7 +18,7 @@ from typing import Callable, Optional, Tuple
 from hpcadapt.base import config
 
 __all__ = ["install_abort_on_exception", "set_failure_handler", "is_first_rank", "end_process",
-           "is_rank_process"]
+           "is_rank_process", "pid_alive"]
 
 _failure_handler: Optional[Callable[[BaseException], None]] = None
 _ABORT_GRACE_S = 10.0  # how long MPI_Abort may take before the process ends itself
@@ -26,6 +26,17 @@ _ABORT_GRACE_S = 10.0  # how long MPI_Abort may take before the process ends its
 # worker) inherits ``sys.excepthook`` but is the user's, not a rank: it must never abort
 # the job's communicator (MPI in a forked child hangs) nor speak for the rank.
 _rank_pid: Optional[int] = None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` (on this node) is a live process (not gone, not a zombie: a process
+    killed with its parent waits as one until someone reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
 
 
 def is_first_rank() -> bool:

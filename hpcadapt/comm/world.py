@@ -30,6 +30,7 @@ from mpi4py import MPI  # noqa: E402
 
 from hpcadapt.base import config
 from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.lifecycle import pid_alive
 from hpcadapt.comm.mpiflavour import flavour
 
 __all__ = ["WorldInfo", "World", "init", "world", "is_initialized", "shutdown", "PeerFailure",
@@ -437,16 +438,6 @@ def node_key() -> int:
     except OSError:
         pass
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` (on this node) is a live process (not gone, not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
 
 
 class CommView:

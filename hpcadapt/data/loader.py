@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.lifecycle import pid_alive
 from hpcadapt.data.sampler import ElasticSampler, StepSlice
 
 __all__ = ["ElasticDataLoader", "PlannedBatches", "split_micro", "WalkKey", "WorkerStart",
@@ -105,23 +106,6 @@ def _own_temp_dir() -> None:
                                   kwargs={"ignore_errors": True}, exitpriority=-100)
 
 
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process: a killed worker whose rank died too waits as a
-    zombie until someone reaps it (in a container often nobody), and is dead here."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process by that pid
-        return True
-    return True
-
-
 def sweep_dead_worker_dirs(base: Optional[str] = None) -> int:
     """Remove the temporary folders of this user's loader workers that were killed (their
     pid is gone): a rank killed with its workers leaves them behind. Any process of the job
@@ -145,7 +129,7 @@ def sweep_dead_worker_dirs(base: Optional[str] = None) -> int:
         if not pid_text.isdigit() or info.st_uid != os.getuid() or \
                 not os.path.isdir(path) or os.path.islink(path):
             continue
-        if _running(int(pid_text)):
+        if pid_alive(int(pid_text)):
             continue  # alive (or a reused pid): not ours to remove
         shutil.rmtree(path, ignore_errors=True)
         removed += 1
