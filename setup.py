@@ -18,7 +18,7 @@ setup(
         "hpcadapt.policies": "policies",
         "hpcadapt.slurm.testcluster": "slurm/testcluster",
     },
-    packages=["hpcadapt", "hpcadapt.base", "hpcadapt.comm", "hpcadapt.parallel", "hpcadapt.state",
+    packages=["hpcadapt", "hpcadapt.base", "hpcadapt.adapt", "hpcadapt.comm", "hpcadapt.parallel", "hpcadapt.state",
               "hpcadapt.data", "hpcadapt.elastic", "hpcadapt.loop", "hpcadapt.cuda", "hpcadapt.slurm",
               "hpcadapt.slurm.testcluster", "hpcadapt.policies"],
     package_data={"hpcadapt.cuda": ["*.cu"],

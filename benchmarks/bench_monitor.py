@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 import hpcadapt
 from hpcadapt.datasets import load_dataset
 from hpcadapt.models import build_model
-from hpcadapt.loop.monitor import MonitorConfig
+from hpcadapt.adapt.monitors import MonitorConfig
 from hpcadapt.train import build_parser
 from common import single_thread, write_result
 from launch import quick_defaults

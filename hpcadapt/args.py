@@ -15,9 +15,9 @@ from hpcadapt.policies import add_policy_arguments, argparse_type, params
 from hpcadapt.policies import unused_flags as warn_unused_policy_flags
 
 from hpcadapt.elastic.allocator import LAUNCHERS
-from hpcadapt.loop.engine import RESIZE_BATCH
+from hpcadapt.adapt.engine import RESIZE_BATCH
 from hpcadapt.base.lifecycle import is_first_rank
-from hpcadapt.loop.monitor import MONITORS
+from hpcadapt.adapt.monitors import MONITORS
 from hpcadapt.base.preemption import EXIT_REQUEUE, parse_signal
 from hpcadapt.base.strategy import STRATEGIES, Strategy
 from hpcadapt.comm.topology import Topology, parse_ranks_per_node

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hpcadapt.base import agent_files as agent
-from hpcadapt.base import config, lifecycle
+from hpcadapt.base import config, faults, lifecycle
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.base.metrics import MetricsSink
 from hpcadapt.base.options import JobOptions, refuse_inconsistent
@@ -38,11 +38,11 @@ from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.data.loader import ElasticDataLoader, WalkKey
 from hpcadapt.loop.boundary import Boundary
-from hpcadapt.loop.control import StepTimes
-from hpcadapt.loop.engine import PolicyEngine
+from hpcadapt.adapt.control import StepTimes
+from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.loop.failures import FailureHandling
-from hpcadapt.loop.membership import MembershipChanges
-from hpcadapt.loop.monitor import GradientNoiseScale, MonitorConfig
+from hpcadapt.loop.resizing import MembershipChanges
+from hpcadapt.adapt.monitors import GradientNoiseScale, MonitorConfig
 from hpcadapt.loop.monitoring import Monitoring
 from hpcadapt.loop.progress import TrainingProgress
 from hpcadapt.loop.rounds import BoundedDelayRounds
@@ -82,6 +82,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         why = refuse_inconsistent(o)
         if why:  # the same flags on every rank: said once, by rank 0
             raise on_every_rank(ConfigurationError(why))
+        faults.arm()  # a wrong HPCADAPT_FAULT is refused here
         self._join_dir = config.take_join_dir()
         self._spawned_to_join = config.take_spawned_mark()  # Open MPI's grow
         self._spare_of = config.take_spare_mark()  # Open MPI: a warm spare's rank 0 (NODE:PID)

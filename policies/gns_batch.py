@@ -35,7 +35,7 @@ from .params import float_above, non_negative_int, positive_float, positive_int
 
 __all__ = ["GNSBatchSize"]
 
-# The monitor's band is 95% two-sided (hpcadapt.loop.monitor.GradientNoiseScale.interval).
+# The monitor's band is 95% two-sided (hpcadapt.adapt.monitors.GradientNoiseScale.interval).
 _BAND_Z = 1.959963984540054
 
 

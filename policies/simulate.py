@@ -16,7 +16,7 @@ take per call. What it does not: how fast a real cluster trains. The step time i
 Gaussian model of the gradient noise, not from a network.
 
 Pure: numpy and this package only (no torch, no MPI, no ``hpcadapt.loop``, which sits above
-the policies); the engine's rules (``hpcadapt/loop/engine.py``) are mirrored in ``_decide``
+the policies); the engine's rules (``hpcadapt/adapt/engine.py``) are mirrored in ``_decide``
 and ``_apply``. One difference on purpose: a policy that raises or returns a value that
 cannot be applied stops the simulation (the engine logs it and goes on), since a
 simulation is a test."""
@@ -173,7 +173,7 @@ class NoiseTrajectory:
 def draw_estimate(rng: np.random.Generator, grad_sq: float, trace_sigma: float, batch: int,
                   replicas: int, dims: float) -> Tuple[float, float]:
     """One step's unbiased (|G|^2, tr(Sigma)) as the data-parallel estimator of
-    ``hpcadapt.loop.monitor`` computes them, for gradients g_i = G + xi_i with isotropic
+    ``hpcadapt.adapt.monitors`` computes them, for gradients g_i = G + xi_i with isotropic
     Gaussian noise xi_i ~ N(0, Sigma / b) in ``dims`` dimensions, n replicas of local batch
     b = B / n. Drawn exactly, in three variates rather than n gradients:
     (n |g|^2 - mean |g_i|^2) / (n - 1) = (|G| + z)^2 + s2/B chi2(D - 1) - T/B and

@@ -6,7 +6,7 @@ Commands run from argument lists with validated values; their output goes throug
 parsers in ``commands``."""
 
 from .allocation import Allocation, in_slurm_job
-from .allocator import SlurmAllocator
+from .slurm_allocator import SlurmAllocator
 from .commands import SlurmCommandError, slurm_available
 
 __all__ = ["Allocation", "SlurmAllocator", "SlurmCommandError", "in_slurm_job",

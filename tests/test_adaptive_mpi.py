@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hpcadapt
-from hpcadapt.loop.monitor import GradientNoiseScale, estimate_from_replicas
+from hpcadapt.adapt.monitors import GradientNoiseScale, estimate_from_replicas
 from hpcadapt.policies import GNSBatchSize, Schedule
 
 pytestmark = pytest.mark.mpi(min_size=2)

@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from hpcadapt.loop.monitor import GradientNoiseScale
+from hpcadapt.adapt.monitors import GradientNoiseScale
 from hpcadapt.data.sampler import ElasticSampler
 from hpcadapt.state.training import HyperParams, TrainingState, UserState, read_checkpoint
 

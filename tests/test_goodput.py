@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpcadapt import ConfigurationError
-from hpcadapt.loop.engine import PolicyEngine
+from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.policies import Goodput, LRRule, MetricsSnapshot, build_policies
 from hpcadapt.policies import goodput_model as gm
 from hpcadapt.train import build_parser

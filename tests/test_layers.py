@@ -19,8 +19,9 @@ ALLOWED = {
     "state": {"base", "comm", "data", "parallel"},
     "elastic": {"base", "comm"},
     "policies": {"base"},
+    "adapt": {"base", "policies"},
     "slurm": {"base", "comm", "elastic"},
-    "loop": {"base", "comm", "cuda", "data", "parallel", "state", "elastic", "policies",
+    "loop": {"base", "comm", "cuda", "data", "parallel", "state", "elastic", "policies", "adapt",
              "slurm"},
 }
 APPS = {"job", "train", "trainer", "args", "plot", "models", "datasets", "agent", "__main__",
@@ -89,3 +90,92 @@ def test_no_module_over_700_lines(folder):
                 if n > 700:
                     long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
     assert not long, "\n".join(long)
+
+
+def _package_files():
+    for folder in ("hpcadapt", "policies", "cuda", "slurm"):
+        for base, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in files:
+                if name.endswith(".py"):
+                    yield os.path.join(base, name)
+
+
+def test_no_two_modules_share_a_name():
+    """``loop/membership.py`` beside ``elastic/membership.py`` made every mention ambiguous."""
+    seen = {}
+    for path in _package_files():
+        name = os.path.basename(path)
+        if name in ("__init__.py", "__main__.py"):
+            continue
+        seen.setdefault(name, []).append(os.path.relpath(path, ROOT))
+    twins = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twins, twins
+
+
+def _module_level(tree):
+    """The statements that run at import (the module's body, outside functions and classes;
+    an ``if``/``try`` at module level runs too)."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, (ast.If, ast.Try)):
+            todo.extend(node.body + node.orelse + getattr(node, "finalbody", [])
+                        + [s for h in getattr(node, "handlers", []) for s in h.body])
+            continue
+        yield node
+
+
+# Where importing a module does something on purpose: importing mpi4py starts MPI, and the
+# environment MPI must see is set just before, in this one module.
+IMPORT_EFFECTS = {os.path.join("hpcadapt", "comm", "mpi.py")}
+
+
+def test_no_module_reads_or_writes_the_environment_at_import():
+    """Reading HPCADAPT_FAULT at import (base/faults.py) tied behaviour to import order, and
+    setting MPI's variables in world.py made seven modules import it first for its effect."""
+    found = []
+    for path in _package_files():
+        rel = os.path.relpath(path, ROOT)
+        if rel in IMPORT_EFFECTS or "testcluster" in rel:
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for stmt in _module_level(tree):
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Lambda):
+                    continue
+                if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv",
+                                                                      "putenv")
+                        and isinstance(node.value, ast.Name) and node.value.id == "os"):
+                    found.append(f"{rel}:{node.lineno}")
+    assert not found, "module-level environment access: " + ", ".join(found)
+
+
+def test_mpi_is_imported_through_one_module():
+    """Every module gets MPI from hpcadapt.comm.mpi, which sets MPI's environment first."""
+    found = []
+    for path in _package_files():
+        rel = os.path.relpath(path, ROOT)
+        if rel in IMPORT_EFFECTS:
+            continue
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            if ((isinstance(node, ast.ImportFrom) and node.module
+                 and node.module.startswith("mpi4py"))
+                    or (isinstance(node, ast.Import)
+                        and any(a.name.startswith("mpi4py") for a in node.names))):
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, "import hpcadapt.comm.mpi instead: " + ", ".join(found)
+
+
+def test_a_wrong_fault_variable_is_refused_when_armed_not_at_import():
+    import subprocess
+    import sys
+
+    code = ("import hpcadapt.base.faults as f\nprint('imported', flush=True)\nf.arm()\n")
+    env = dict(os.environ, HPCADAPT_FAULT="nonsense", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.strip() == "imported"
+    assert proc.returncode != 0 and "HPCADAPT_FAULT='nonsense'" in proc.stderr

@@ -14,7 +14,7 @@ from conftest import FULL
 import torch
 
 from hpcadapt import ConfigurationError
-from hpcadapt.loop.monitor import (GradientNoiseScale, MonitorConfig, NoiseEstimate,
+from hpcadapt.adapt.monitors import (GradientNoiseScale, MonitorConfig, NoiseEstimate,
                               estimate_from_consecutive, estimate_from_replicas)
 
 D, SIGMA = 20, 2.0

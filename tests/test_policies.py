@@ -6,7 +6,7 @@ import pytest
 
 from hpcadapt import ConfigurationError
 from hpcadapt.base.plan import Plan
-from hpcadapt.loop.engine import PolicyEngine
+from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.policies import (Decision, GNSBatchSize, LRRule, MetricsSnapshot, Policy, Ramp,
                                Schedule)
 from hpcadapt.train import build_parser

@@ -2,7 +2,7 @@
 signal) at a named point of the step flow, so that an event can be placed where a random
 one rarely lands (the plan's broadcast, a join's merge, a state transfer, a recovery).
 
-``HPCADAPT_FAULT=PHASE:RANK:STEP[:SIGNAL][,...]`` (read once, at import): the process that
+``HPCADAPT_FAULT=PHASE:RANK:STEP[:SIGNAL][,...]`` (read once, at the first point reached): the process that
 is rank RANK of its launch (mpirun/mpiexec/srun; never a worker started to join) sends
 itself SIGNAL (default SIGKILL: a crash, no clean-up) when it first reaches PHASE at step
 STEP or later; a signal other than SIGKILL is sent once (SIGUSR1: a stop asked right
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
-__all__ = ["point", "PHASES"]
+__all__ = ["arm", "point", "PHASES"]
 
 PHASES = ("gradient", "plan", "join", "state", "recovery", "formation")
 
@@ -55,14 +55,23 @@ def _this_process(faults: List[Fault]) -> List[Fault]:
     return [f for f in faults if f[1] == rank]
 
 
-_FAULTS = _this_process(_parse(os.environ.get("HPCADAPT_FAULT", "")))
+_faults: Optional[List[Fault]] = None   # this process's, once the first point is reached
+
+
+def arm() -> None:
+    """Read HPCADAPT_FAULT now (the job does at its start, so a wrong value is refused there,
+    not at the first point reached)."""
+    global _faults
+    if _faults is None:
+        _faults = _this_process(_parse(os.environ.get("HPCADAPT_FAULT", "")))
 
 
 def point(phase: str, step: int) -> None:
     """Send this process the signal HPCADAPT_FAULT names for this point (SIGKILL: die here,
     as a crash would)."""
-    for fault in list(_FAULTS) if _FAULTS else ():
+    arm()
+    for fault in list(_faults) if _faults else ():
         if fault[0] == phase and step >= fault[2]:
             if fault[3] != signal.SIGKILL:
-                _FAULTS.remove(fault)  # once
+                _faults.remove(fault)  # once
             os.kill(os.getpid(), fault[3])

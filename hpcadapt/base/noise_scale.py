@@ -8,7 +8,7 @@ global batch B = n*b, |g_i|^2 the local and |g|^2 the averaged gradient's square
     tr(S)  ~ B (mean_i |g_i|^2 - |g|^2) / (n - 1)         (tr of the per-sample covariance)
     B_noise = EMA(tr S) / EMA(|G|^2)
 
-The job's monitor (hpcadapt.loop.monitor) feeds it from each step's reduction; the policy
+The job's monitor (hpcadapt.adapt.monitors) feeds it from each step's reduction; the policy
 simulator (hpcadapt.policies.simulate) feeds it drawn estimates: one arithmetic for both."""
 
 from __future__ import annotations

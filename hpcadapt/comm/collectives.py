@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
-from hpcadapt.comm import world as _runtime  # noqa: F401 (first: it sets MPI's environment)
-from mpi4py import MPI  # noqa: E402
+from hpcadapt.comm import world as _runtime
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.base import config
 from hpcadapt.comm.buffers import Array, as_buffer, layout_signature

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mpi4py import MPI
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.base import config
 

@@ -22,7 +22,7 @@ import os
 from typing import List, Optional, Sequence
 
 import numpy as np
-from mpi4py import MPI
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.base import config
 from hpcadapt.comm.world import PeerWatch, node_key, wait_request

@@ -31,8 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from hpcadapt.comm import world as _runtime  # noqa: F401 (first: it sets MPI's environment)
-from mpi4py import MPI  # noqa: E402
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.base import config
 from hpcadapt.comm.buffers import Array, as_buffer

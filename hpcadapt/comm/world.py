@@ -17,20 +17,10 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-# UCX's cross-memory-attach transport aborts the whole process ("process_vm_readv ...
-# No such process") when a peer dies in the middle of a transfer, so a dead worker would
-# take every survivor with it; the shared-memory copy transports do the same work here
-# (ddp benchmark unchanged). Set before MPI starts; an explicit UCX_TLS is kept.
-os.environ.setdefault("UCX_TLS", "^cma")
-# Open MPI's hierarchical collectives (coll/han) hang on a communicator that joins processes
-# of separate spawns (a grow of two or more workers: each is spawned alone), so they are
-# left out; hpcadapt's own topologies do that work. An explicit OMPI_MCA_coll is kept.
-os.environ.setdefault("OMPI_MCA_coll", "^han")
-from mpi4py import MPI  # noqa: E402
-
 from hpcadapt.base import config
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.lifecycle import pid_alive
+from hpcadapt.comm.mpi import MPI
 from hpcadapt.comm.mpiflavour import flavour
 
 __all__ = ["WorldInfo", "World", "init", "world", "is_initialized", "shutdown", "PeerFailure",

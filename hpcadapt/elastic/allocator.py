@@ -82,7 +82,7 @@ class _SpawnedWorker:
     process ends the whole job unless mpiexec runs with ``-disable-auto-cleanup``."""
 
     def __init__(self, argv: Sequence[str], env: dict):
-        from mpi4py import MPI  # here, not at import: importing mpi4py.MPI initialises MPI
+        from hpcadapt.comm.mpi import MPI  # here, not at import: importing it starts MPI
 
         self.error: Optional[str] = None
         info = MPI.Info.Create()
@@ -95,7 +95,7 @@ class _SpawnedWorker:
         self._thread.start()
 
     def _spawn(self, argv: List[str], info) -> None:
-        from mpi4py import MPI
+        from hpcadapt.comm.mpi import MPI
 
         try:
             inter = MPI.COMM_SELF.Spawn(sys.executable, args=argv, maxprocs=1, info=info)

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from hpcadapt.comm import world as _rt  # noqa: F401 (first: it sets MPI's environment)
-from mpi4py import MPI  # noqa: E402
+from hpcadapt.comm import world as _rt
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.base.errors import MembershipError
 from hpcadapt.comm.world import PeerFailure as PeerFailureType, PeerWatch, wait_request

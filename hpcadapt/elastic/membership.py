@@ -43,8 +43,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hpcadapt.comm import world as _rt  # noqa: F401 (first: it sets MPI's environment)
-from mpi4py import MPI  # noqa: E402
+from hpcadapt.comm import world as _rt
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.elastic.allocator import Allocator, Worker
 from hpcadapt.base.config import JOIN_DIR_VARIABLE

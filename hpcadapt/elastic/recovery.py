@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
 import numpy as np
-from mpi4py import MPI
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.comm.world import ABANDONED, NOTICE_TAG, PeerFailure, World
 

@@ -1,2 +1,2 @@
-"""The training loop's parts: the policy engine (pure: a snapshot in, decisions out), the
-monitors and the progress-based learning-rate schedule. Imports ``base`` and the policies."""
+"""The training loop's parts over the job's state: the step, bounded-delay rounds, the
+boundary, resizing, failures, monitoring, stops and the progress-based schedule."""

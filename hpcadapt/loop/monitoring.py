@@ -20,7 +20,7 @@ import torch
 
 from hpcadapt.base.metrics import EpochRecord, StepRecord
 from hpcadapt.comm.collectives import ReduceOp, communicator
-from hpcadapt.loop.monitor import estimate_from_consecutive, estimate_from_replicas
+from hpcadapt.adapt.monitors import estimate_from_consecutive, estimate_from_replicas
 
 __all__ = ["Monitoring"]
 

@@ -21,7 +21,7 @@ from hpcadapt.base import faults
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.comm import world as world_mod
 from hpcadapt.data.loader import WalkKey, split_micro
-from hpcadapt.loop.control import ControlLayout
+from hpcadapt.adapt.control import ControlLayout
 from hpcadapt.parallel.optimizer import GradientStats
 from hpcadapt.state.rollback import StepCommit
 from hpcadapt.state.training import optimizer_settings, rates_scaled

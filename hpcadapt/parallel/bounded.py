@@ -38,7 +38,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.comm.world import ABANDONED, World, wait_request
 

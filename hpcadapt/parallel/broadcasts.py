@@ -10,8 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from hpcadapt.comm import world as _rt  # noqa: F401 (first: it sets MPI's environment)
-from mpi4py import MPI  # noqa: E402
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.comm import nodecast
 from hpcadapt.comm.collectives import Communicator, Handle

@@ -32,9 +32,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from hpcadapt.comm import world as _runtime  # noqa: F401 (first: it sets MPI's environment)
 
 from hpcadapt.base import config
+from hpcadapt.comm import world as _runtime
 from hpcadapt.comm.collectives import Handle, MPICommunicator, ReduceOp, check_same_layout
 from hpcadapt.parallel.dataplane import DataPlane
 from hpcadapt.base.errors import CommunicationError, ConfigurationError

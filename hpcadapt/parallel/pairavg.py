@@ -32,8 +32,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 import torch
-from hpcadapt.comm import world as _runtime  # noqa: F401 (first: it sets MPI's environment)
-from mpi4py import MPI  # noqa: E402
+from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.base.errors import CommunicationError
 from hpcadapt.comm.world import ABANDONED, PeerFailure, World, wait_request

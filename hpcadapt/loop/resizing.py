@@ -279,7 +279,7 @@ class MembershipChanges:
             return
         one = np.ones(1, dtype=np.int64)
         wait = world_mod.wait_request
-        from mpi4py import MPI
+        from hpcadapt.comm.mpi import MPI
 
         wait(self.world.comm.Iallreduce(MPI.IN_PLACE, one, op=MPI.SUM), self.world.watch,
              "the join's confirmation")
@@ -376,7 +376,7 @@ class MembershipChanges:
     @staticmethod
     def _drop_spawn_parent() -> None:
         """A worker started by MPI_Comm_spawn joins through the port; it lets go of its parent."""
-        from mpi4py import MPI
+        from hpcadapt.comm.mpi import MPI
 
         parent = MPI.Comm.Get_parent()
         if parent != MPI.COMM_NULL:
@@ -386,7 +386,7 @@ class MembershipChanges:
         """Broadcast the training state from rank 0 so every replica is identical. Ranks
         that already hold it (``receiving=False``: the running job's, after a grow) split
         off and take no part; the broadcast then reaches only the joiners."""
-        from mpi4py import MPI
+        from hpcadapt.comm.mpi import MPI
 
         rank = self.world.rank
         part = self.world.comm.Split(0 if (receiving or rank == 0) else MPI.UNDEFINED, rank)
@@ -473,7 +473,7 @@ class MembershipChanges:
         # with torch loaded), which gives the node back to Slurm that much sooner.
         # Open MPI's launcher counts a process that ends without MPI_Finalize as a failure
         # of the launch (exit 1): there every leaver goes through the normal exit.
-        from mpi4py import MPI
+        from hpcadapt.comm.mpi import MPI
 
         if MPI.COMM_WORLD.Get_size() > 1 or flavour().open_mpi:
             sys.exit(0)
@@ -481,7 +481,7 @@ class MembershipChanges:
 
 
 def MPI_COMM_NULL():
-    from mpi4py import MPI
+    from hpcadapt.comm.mpi import MPI
 
     return MPI.COMM_NULL
 
