@@ -21,7 +21,7 @@ _HOMES = {
     ".data.sampler": ["ElasticSampler"],
     ".job": ["Job"],
     ".base.options": ["JobOptions"],
-    ".base.strategy": ["Strategy", "STRATEGIES"],
+    ".base.strategies": ["Strategy", "STRATEGIES", "strategy", "register_strategy"],
     ".data.loader": ["ElasticDataLoader"],
     ".loop.progress": ["ProgressLR"],
     ".args": ["add_arguments"],

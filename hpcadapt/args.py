@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import fields
 from typing import List, Optional
 
 from hpcadapt.base.options import RESIZING_POLICIES, refuse_inconsistent
@@ -19,7 +20,7 @@ from hpcadapt.adapt.engine import RESIZE_BATCH
 from hpcadapt.base.lifecycle import is_first_rank
 from hpcadapt.adapt.monitors import MONITORS
 from hpcadapt.base.preemption import EXIT_REQUEUE, parse_signal
-from hpcadapt.base.strategy import STRATEGIES, Strategy
+from hpcadapt.base.strategies import STRATEGIES
 from hpcadapt.comm.topology import Topology, parse_ranks_per_node
 
 __all__ = ["add_arguments", "one_line_errors", "warn_unused_policy_flags", "refuse_inconsistent",
@@ -111,26 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     y = parser.add_argument_group("synchronisation strategy (switchable by the sync-switch "
                                   "policy)")
     y.add_argument("--strategy", choices=list(STRATEGIES), default="ssgd",
-                   help="ssgd: average gradients every step (replicas identical); sma: pull "
-                        "each replica towards the models' average every step, then apply its "
-                        "own gradient (KungFu's SMA); local-sgd: average the models every "
-                        "--local-sgd-period steps; pair-avg: average with one random peer's "
-                        "model every step, fetched without the peer stopping (KungFu); "
-                        "bounded-delay: rank 0 aggregates the others' updates asynchronously "
-                        "and drops those older than --max-delay (MLFabric)")
-    y.add_argument("--sma-alpha", type=_fraction_open, default=0.1,
-                   help="sma: share of the average pulled in each step, in (0, 1]")
-    y.add_argument("--local-sgd-period", type=positive_int, default=8,
-                   help="local-sgd: steps between model averages (1 or more)")
-    y.add_argument("--max-delay", type=_non_negative_int, default=Strategy.max_delay, metavar="D",
-                   help="bounded-delay: an update computed on a model more than D versions "
-                        "older than the one it would be applied to is dropped (its samples "
-                        "are handed out again); a worker pulls the model when its own delay "
-                        "reaches D")
-    y.add_argument("--async-round-steps", type=positive_int, default=Strategy.round_steps,
-                   metavar="K",
-                   help="bounded-delay: global batches per asynchronous round; policies, "
-                        "resizes, checkpoints and stop votes run between rounds")
+                   help="; ".join(f"{name}: {cls.summary}" for name, cls in STRATEGIES.items()
+                                  if cls.summary))
+    for name, cls in STRATEGIES.items():  # each strategy's own settings
+        defaults = {f.name: f.default for f in fields(cls)}
+        for setting in cls.settings:
+            y.add_argument(setting.flag, dest=setting.dest, type=argparse_type(setting.parse),
+                           default=defaults[setting.field], metavar=setting.metavar,
+                           help=f"{name}: {setting.help}")
     y.add_argument("--topology", choices=[t.value for t in Topology], default="flat",
                    help="how the gradients' allreduce travels: flat (MPI's own), "
                         "hierarchical (within each node, then one leader per node), ring or "

@@ -33,7 +33,7 @@ from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.base.metrics import MetricsSink
 from hpcadapt.base.options import JobOptions, refuse_inconsistent
 from hpcadapt.base.preemption import StopSignals
-from hpcadapt.base.strategy import Strategy
+from hpcadapt.base import strategies
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.data.loader import ElasticDataLoader, WalkKey
@@ -87,8 +87,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         self._spawned_to_join = config.take_spawned_mark()  # Open MPI's grow
         self._spare_of = config.take_spare_mark()  # Open MPI: a warm spare's rank 0 (NODE:PID)
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
-        self._initial_strategy = Strategy(o.strategy, o.sma_alpha, o.local_sgd_period,
-                                           o.max_delay, o.async_round_steps)
+        self._initial_strategy = strategies.from_options(o)
         from hpcadapt.comm.topology import parse_ranks_per_node, parse_topology
 
         parse_topology(o.topology)

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from typing import Dict, List, Type
 
 from hpcadapt.base.errors import ConfigurationError
-from hpcadapt.base.strategy import Strategy
+from hpcadapt.base.strategies import STRATEGIES
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .gns_batch import GNSBatchSize
@@ -110,12 +111,13 @@ def unused_flags(args: argparse.Namespace) -> List[str]:
         if given:
             messages.append(f"{', '.join(given)} given without --policy {name}: ignored "
                             f"(add --policy {name} to use it)")
-    if getattr(args, "strategy", "ssgd") != "bounded-delay":  # (sync-switch: its own flags)
-        for flag, default in (("max_delay", Strategy.max_delay),
-                              ("async_round_steps", Strategy.round_steps)):
-            if getattr(args, flag, default) != default:
-                messages.append(f"--{flag.replace('_', '-')} given without --strategy "
-                                f"bounded-delay: ignored")
+    for name, cls in STRATEGIES.items():  # (sync-switch: its own flags)
+        if name == getattr(args, "strategy", "ssgd"):
+            continue
+        defaults = {f.name: f.default for f in fields(cls)}
+        for setting in cls.settings:
+            if getattr(args, setting.dest, defaults[setting.field]) != defaults[setting.field]:
+                messages.append(f"{setting.flag} given without --strategy {name}: ignored")
     if getattr(args, "slow_rank", None) is None:
         for flag in ("slow_compute", "slow_comm"):
             if getattr(args, flag, 1.0) != 1.0:

@@ -83,7 +83,7 @@ class Decision:
     momentum: Optional[float] = None
     world_size: Optional[int] = None
     remove_rank: Optional[int] = None
-    strategy: Optional[Dict[str, Any]] = None  # hpcadapt.base.strategy.Strategy.to_dict()
+    strategy: Optional[Dict[str, Any]] = None  # hpcadapt.base.strategies.Strategy.to_dict()
     topology: Optional[str] = None  # the gradients' allreduce topology (hpcadapt.comm.topology)
     metrics: Dict[str, float] = field(default_factory=dict)
     policy: str = ""
@@ -107,7 +107,7 @@ class Decision:
                                             or self.world_size < 1):
             raise ConfigurationError(f"world_size must be a positive integer, got {self.world_size}")
         if self.strategy is not None:
-            from hpcadapt.base.strategy import Strategy
+            from hpcadapt.base.strategies import Strategy
 
             Strategy.from_dict(self.strategy)
         if self.topology is not None:

@@ -18,7 +18,7 @@ import logging
 import statistics
 from typing import Any, Dict, List, Optional
 
-from hpcadapt.base.strategy import STRATEGIES, Strategy
+from hpcadapt.base.strategies import STRATEGIES, BoundedDelay, strategy
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import float_above, non_negative_int, positive_int
@@ -27,7 +27,7 @@ __all__ = ["StragglerAsync"]
 
 log = logging.getLogger(__name__)
 
-ASYNC = "bounded-delay"
+ASYNC = BoundedDelay.name
 
 
 class StragglerAsync(Policy):
@@ -43,7 +43,7 @@ class StragglerAsync(Policy):
 
     def __init__(self, *, factor: float = 1.5, patience: int = 5, max_delay: int = 1,
                  round_steps: int = 20):
-        Strategy(ASYNC, max_delay=max_delay, round_steps=round_steps)  # refuses bad settings
+        BoundedDelay(max_delay=max_delay, round_steps=round_steps)  # refuses bad settings
         self.factor, self.patience = factor, patience
         self.max_delay, self.round_steps = max_delay, round_steps
         self.interval = 1
@@ -86,7 +86,7 @@ class StragglerAsync(Policy):
                 return None
             self.slow_streak, self.fast_streak = 0, 0
             self.left, self.straggler = snap.strategy, slow[0]
-            target = Strategy(ASYNC, max_delay=self.max_delay, round_steps=self.round_steps)
+            target = BoundedDelay(max_delay=self.max_delay, round_steps=self.round_steps)
             return Decision(reason=f"rank {slow[0]} slower than {self.factor}x the others "
                                    f"for {self.patience} checks: {snap.strategy} -> "
                                    f"{target.describe()}",
@@ -101,7 +101,7 @@ class StragglerAsync(Policy):
             return None
         back, self.left, self.fast_streak = self.left, None, 0
         return Decision(reason=f"no straggler for {self.patience} rounds: {ASYNC} -> {back}",
-                        strategy=Strategy(back).to_dict(), metrics=metrics, policy=self.name)
+                        strategy=strategy(back).to_dict(), metrics=metrics, policy=self.name)
 
     def on_resize(self, snap: MetricsSnapshot, *, old_size: int, new_size: int):
         self.slow_streak = self.fast_streak = 0

@@ -13,7 +13,7 @@ import math
 from typing import Any, Dict, List, Optional, Tuple
 
 from hpcadapt.base.errors import ConfigurationError
-from hpcadapt.base.strategy import STRATEGIES, Strategy
+from hpcadapt.base.strategies import SMA, STRATEGIES, BoundedDelay, LocalSGD, pick
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import choice, non_negative_int, positive_float, positive_int, step_map
@@ -30,31 +30,32 @@ class SyncSwitch(Policy):
         Param("noise-scale", positive_float, None,
               "switch once the measured gradient noise scale reaches this (samples)"),
         Param("workers", positive_int, None, "switch once the job has this many workers"),
-        Param("sma-alpha", positive_float, Strategy.sma_alpha,
+        Param("sma-alpha", positive_float, SMA.sma_alpha,
               "sma's pull towards the average, in (0, 1]"),
-        Param("period", positive_int, Strategy.period, "local-sgd's steps between model averages"),
-        Param("max-delay", non_negative_int, Strategy.max_delay, "bounded-delay's --max-delay"),
-        Param("round-steps", positive_int, Strategy.round_steps,
+        Param("period", positive_int, LocalSGD.period, "local-sgd's steps between model averages"),
+        Param("max-delay", non_negative_int, BoundedDelay.max_delay, "bounded-delay's --max-delay"),
+        Param("round-steps", positive_int, BoundedDelay.round_steps,
               "bounded-delay's --async-round-steps"),
     )
     reads = ("step", "world_size", "noise_scale")
 
     def __init__(self, *, steps: List[Tuple[int, str]] = (), to: str = "ssgd",
                  noise_scale: Optional[float] = None, workers: Optional[int] = None,
-                 sma_alpha: float = Strategy.sma_alpha, period: int = Strategy.period,
-                 max_delay: int = Strategy.max_delay, round_steps: int = Strategy.round_steps):
+                 sma_alpha: float = SMA.sma_alpha, period: int = LocalSGD.period,
+                 max_delay: int = BoundedDelay.max_delay,
+                 round_steps: int = BoundedDelay.round_steps):
         if not steps and noise_scale is None and workers is None:
             raise ConfigurationError(
                 "--policy sync-switch needs a trigger: --sync-switch-steps 200:ssgd, "
                 "--sync-switch-noise-scale N or --sync-switch-workers K")
-        Strategy(to, sma_alpha, period, max_delay, round_steps)  # refused now, not later
+        self.settings = {"sma_alpha": sma_alpha, "period": period, "max_delay": max_delay,
+                         "round_steps": round_steps}
+        for name in {to} | {name for _, name in steps}:
+            pick(name, self.settings)  # refused now, not later
         self.steps = list(steps)
         self.to = to
         self.noise_scale = noise_scale
         self.workers = workers
-        self.sma_alpha = sma_alpha
-        self.period = period
-        self.max_delay, self.round_steps = max_delay, round_steps
         # The noise scale needs the gns monitor; every 10th step (a monitored step averages
         # the gradients whatever the strategy, so every step would make it S-SGD).
         self.requires = ("gns",) if noise_scale is not None else ()
@@ -68,7 +69,7 @@ class SyncSwitch(Policy):
                 ) -> Optional[Decision]:
         if name == current:
             return None
-        target = Strategy(name, self.sma_alpha, self.period, self.max_delay, self.round_steps)
+        target = pick(name, self.settings)
         return Decision(reason=f"{why}: {current} -> {target.describe()}",
                         strategy=target.to_dict(), policy=self.name, metrics=metrics)
 

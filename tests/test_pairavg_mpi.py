@@ -15,7 +15,7 @@ import torch
 import hpcadapt
 from hpcadapt.parallel.pairavg import PairExchange, choose_peer
 from hpcadapt.parallel.optimizer import DistributedOptimizer
-from hpcadapt.base.strategy import Strategy
+from hpcadapt.base.strategies import strategy, Strategy
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -44,7 +44,7 @@ def test_one_step_is_the_mean_with_the_chosen_peer_then_the_local_gradient(w):
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
                                model.named_parameters(), world=w, extra_slots=1,
                                broadcast_initial_state=False)
-    opt.set_strategy(Strategy("pair-avg"))
+    opt.set_strategy(strategy("pair-avg"))
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(7 + w.rank))
     # the local gradient at the un-mixed parameters, on a copy
     twin = torch.nn.Linear(5, 3)
@@ -76,7 +76,7 @@ def test_one_step_is_the_mean_with_the_chosen_peer_then_the_local_gradient(w):
         twin(x).pow(2).mean().backward()
         grad = torch.cat([p.grad.reshape(-1) for p in twin.parameters()]).numpy()
     # leaving pair-avg frees the window, on every rank at the same step
-    opt.set_strategy(Strategy("ssgd"))
+    opt.set_strategy(strategy("ssgd"))
     opt.zero_grad()
     opt.begin_step(5)
     assert opt._pairs is None and opt._release_pairs not in w.releases
@@ -151,7 +151,7 @@ def test_the_window_follows_the_cluster_version(w):
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                model.named_parameters(), world=w,
                                broadcast_initial_state=False)
-    opt.set_strategy(Strategy("pair-avg"))
+    opt.set_strategy(strategy("pair-avg"))
 
     def step(i):
         opt.zero_grad()

@@ -146,14 +146,14 @@ def _train_batch_norm_cnn(w, strategy: str, wrap_buffers: bool = False, plane: s
     """Three steps of the BatchNorm CNN, each rank on batches of its own (so its running
     statistics are its own unless they are kept consistent): the model, and its buffers
     after each step."""
-    from hpcadapt.base.strategy import Strategy
+    from hpcadapt.base.strategies import strategy as make_strategy
 
     model = build_model("cnn", (1, 8, 8), 10, seed=0, width=4, batch_norm=True)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                model.named_parameters(), world=w,
                                buffers=model.buffers() if wrap_buffers else (),
                                data_plane=plane)
-    opt.set_strategy(Strategy(strategy))
+    opt.set_strategy(make_strategy(strategy))
     opt.set_topology(topology)
     gen = torch.Generator().manual_seed(w.rank)
     after = []

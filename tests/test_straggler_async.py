@@ -11,7 +11,7 @@ import pytest
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.policies import MetricsSnapshot, POLICIES
 from hpcadapt.policies.straggler_async import StragglerAsync
-from hpcadapt.base.strategy import Strategy
+from hpcadapt.base.strategies import strategy, Strategy
 
 
 def snap(times, samples=None, strategy="ssgd", step=10):
@@ -31,7 +31,7 @@ def test_a_persistent_straggler_switches_to_bounded_delay_and_back_when_it_goes(
     assert p.after_step(snap(slow)) is None
     d = p.after_step(snap(slow))
     assert d is not None and "rank 2" in d.reason
-    assert Strategy.from_dict(d.strategy) == Strategy("bounded-delay", max_delay=2,
+    assert Strategy.from_dict(d.strategy) == strategy("bounded-delay", max_delay=2,
                                                       round_steps=10)
     # asynchronous: rank 0 aggregates (no samples, no compute) and is left out
     fast_round = snap([0.0, 0.02, 0.021], samples=[0, 40, 40], strategy="bounded-delay")

@@ -7,6 +7,7 @@ averaging goes on across a grow and a shrink."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -140,3 +141,32 @@ def test_a_peer_killed_under_pair_averaging_is_recovered_from(tmp_path):
     assert run.finish(timeout=120) == 0, run.stderr()[-4000:]
     every_sample_once(run.samples)
     run.assert_no_process_left()
+
+
+def test_a_strategy_registered_from_outside_trains_under_the_entry_point(tmp_path):
+    """Adding a strategy is one module (tests/scripts/sparse_sma_strategy.py, outside the
+    package) and its registration: its flags reach the entry point, it trains every sample
+    once, sync-switch leaves it for ssgd (replicas identical again) and comes back to it with
+    its settings (tests/test_strategy.py: plans and checkpoints carry it)."""
+    script = str(Path(ROOT) / "tests" / "scripts" / "sparse_sma_strategy.py")
+    metrics = tmp_path / "m.jsonl"
+    flags = ["--no-progress", "--batch-size", "32", "--lr", "0.05", "--seed", "0",
+             "--threads", "1", "--epochs", "4", "--check-replicas",
+             "--strategy", "sparse-sma", "--sparse-sma-every", "3", "--sparse-sma-alpha", "0.5",
+             "--policy", "sync-switch", "--sync-switch-steps", "40:ssgd,70:sparse-sma",
+             "--metrics-file", str(metrics), "--sample-log", str(tmp_path / "samples")]
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, script] + flags, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "strategy sparse-sma (alpha 0.5, every 3 steps)" in proc.stderr
+    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["final_test_accuracy"] > 0.9, summary
+    every_sample_once(tmp_path / "samples")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    switches = [r for r in rows if r["event"] == "strategy"]
+    assert [(s["step"], s["to"]["name"]) for s in switches] == [(40, "ssgd"),
+                                                                (70, "sparse-sma")]
+    assert switches[0]["from"] == {"name": "sparse-sma", "every": 3, "alpha": 0.5}
+    assert switches[0]["replicas_identical"] is True
+    # the way back takes the strategy's own defaults (sync-switch has no flags for it)
+    assert switches[1]["to"] == {"name": "sparse-sma", "every": 4, "alpha": 0.5}

@@ -9,17 +9,17 @@ from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.plan import Plan
 from hpcadapt.policies import SyncSwitch
 from hpcadapt.policies.base import MetricsSnapshot
-from hpcadapt.base.strategy import STRATEGIES, Strategy
+from hpcadapt.base.strategies import STRATEGIES, strategy, Strategy
 
 
 def test_which_steps_average_what():
-    assert Strategy("ssgd").averages_gradients and Strategy("ssgd").model_alpha(3) is None
-    sma = Strategy("sma", sma_alpha=0.25)
+    assert strategy("ssgd").averages_gradients and strategy("ssgd").model_alpha(3) is None
+    sma = strategy("sma", sma_alpha=0.25)
     assert not sma.averages_gradients and all(sma.model_alpha(s) == 0.25 for s in range(5))
-    local = Strategy("local-sgd", period=4)
+    local = strategy("local-sgd", period=4)
     assert all(local.model_alpha(s) is None for s in range(8))
     assert [local.averages_after(s) for s in range(8)] == [False, False, False, True] * 2
-    assert not sma.averages_after(3) and not Strategy("ssgd").averages_after(3)
+    assert not sma.averages_after(3) and not strategy("ssgd").averages_after(3)
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -31,14 +31,14 @@ def test_which_steps_average_what():
 ])
 def test_bad_settings_are_refused_with_the_value_and_the_choices(kwargs, needle):
     with pytest.raises(ConfigurationError, match=None) as err:
-        Strategy(**kwargs)
+        strategy(**kwargs)
     assert needle in str(err.value)
 
 
 def test_a_plan_carries_a_strategy_through_json_and_refuses_a_bad_one():
-    plan = Plan(version=3, step=10, strategy=Strategy("sma", 0.5).to_dict())
+    plan = Plan(version=3, step=10, strategy=strategy("sma", sma_alpha=0.5).to_dict())
     again = Plan.from_json(plan.to_json())
-    assert Strategy.from_dict(again.strategy) == Strategy("sma", 0.5) and not again.empty
+    assert Strategy.from_dict(again.strategy) == strategy("sma", sma_alpha=0.5) and not again.empty
     with pytest.raises(ConfigurationError, match="unknown strategy"):
         Plan.from_json(Plan(version=3, step=10, strategy={"name": "x"}).to_json())
     with pytest.raises(ConfigurationError, match="unknown strategy settings"):
@@ -74,7 +74,7 @@ def test_sync_switch_on_the_noise_scale_and_the_world_size_fires_once():
     assert w.requires == () and "noise_scale" not in w.reads
     assert w.after_step(_snap(1, "ssgd", world_size=2)) is None
     d = w.after_step(_snap(2, "ssgd", world_size=4))
-    assert Strategy.from_dict(d.strategy) == Strategy("local-sgd", period=5)
+    assert Strategy.from_dict(d.strategy) == strategy("local-sgd", period=5)
 
 
 def test_sync_switch_needs_a_trigger_and_usable_settings():
@@ -94,14 +94,14 @@ def test_sync_switch_state_round_trips():
 
 
 def test_bounded_delay_settings_are_checked_and_travel():
-    s = Strategy("bounded-delay", max_delay=0, round_steps=3)
+    s = strategy("bounded-delay", max_delay=0, round_steps=3)
     assert s.asynchronous and not s.averages_gradients and s.min_workers == 2
     assert Strategy.from_dict(s.to_dict()) == s
-    assert Strategy.from_dict({"name": "sma", "sma_alpha": 0.2}) == Strategy("sma", 0.2)
+    assert Strategy.from_dict({"name": "sma", "sma_alpha": 0.2}) == strategy("sma", sma_alpha=0.2)
     with pytest.raises(ConfigurationError, match="--max-delay -1"):
-        Strategy("bounded-delay", max_delay=-1)
+        strategy("bounded-delay", max_delay=-1)
     with pytest.raises(ConfigurationError, match="--async-round-steps 0"):
-        Strategy("bounded-delay", round_steps=0)
+        strategy("bounded-delay", round_steps=0)
     assert "max delay 0" in s.describe()
 
 
@@ -110,7 +110,7 @@ def test_every_strategy_names_itself_and_is_public():
 
     assert hpcadapt.Strategy is Strategy
     for name in STRATEGIES:
-        assert Strategy(name).describe().startswith(name)
+        assert strategy(name).describe().startswith(name)
 
 
 def test_strategy_flags_that_do_nothing_are_named():
@@ -126,5 +126,53 @@ def test_strategy_flags_that_do_nothing_are_named():
                for m in warn_unused_policy_flags(parse(["--slow-comm", "2"])))
     s = SyncSwitch(steps=[(5, "bounded-delay")], max_delay=3, round_steps=7)
     d = s.after_step(_snap(5))
-    assert Strategy.from_dict(d.strategy) == Strategy("bounded-delay", max_delay=3,
+    assert Strategy.from_dict(d.strategy) == strategy("bounded-delay", max_delay=3,
                                                       round_steps=7)
+
+
+def test_a_registered_strategy_is_a_full_citizen_and_clashes_are_refused():
+    """tests/scripts/sparse_sma_strategy.py registers a strategy from outside the package:
+    the parser offers it and its flags, plans and checkpoint records (to_dict/from_dict)
+    carry it, sync-switch takes it, the options build it; a second class under a taken name
+    or flag is refused."""
+    import importlib.util
+    import os
+    from dataclasses import dataclass
+
+    from hpcadapt.base.options import JobOptions
+    from hpcadapt.base.strategies import Setting, from_options, register_strategy
+    from hpcadapt.train import build_parser
+
+    path = os.path.join(os.path.dirname(__file__), "scripts", "sparse_sma_strategy.py")
+    spec = importlib.util.spec_from_file_location("sparse_sma_strategy", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        s = strategy("sparse-sma", every=2, alpha=0.25)
+        assert [s.model_alpha(k) for k in range(4)] == [0.25, None, 0.25, None]
+        assert Strategy.from_dict(Plan.from_json(Plan(version=1, step=1, strategy=s.to_dict())
+                                                 .to_json()).strategy) == s
+        args = build_parser().parse_args(["--strategy", "sparse-sma", "--sparse-sma-every", "5"])
+        assert from_options(JobOptions.from_args(args)) == strategy("sparse-sma", every=5)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--strategy", "sparse-sma", "--sparse-sma-every", "0"])
+        d = SyncSwitch(steps=[(3, "sparse-sma")]).after_step(_snap(3, "ssgd"))
+        assert Strategy.from_dict(d.strategy) == strategy("sparse-sma")
+        with pytest.raises(ConfigurationError, match="has no setting"):
+            strategy("sparse-sma", period=3)
+
+        @dataclass(frozen=True)
+        class Twin(Strategy):
+            name = "sparse-sma"
+
+        @dataclass(frozen=True)
+        class Thief(Strategy):
+            name = "thief"
+            settings = (Setting("x", "--sma-alpha", float, "taken"),)
+
+        with pytest.raises(ConfigurationError, match="registered already"):
+            register_strategy(Twin)
+        with pytest.raises(ConfigurationError, match="--sma-alpha belong"):
+            register_strategy(Thief)
+    finally:
+        STRATEGIES.pop("sparse-sma", None)

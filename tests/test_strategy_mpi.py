@@ -9,7 +9,7 @@ import torch
 
 import hpcadapt
 from hpcadapt.parallel.optimizer import DistributedOptimizer
-from hpcadapt.base.strategy import Strategy
+from hpcadapt.base.strategies import strategy as make_strategy
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -49,7 +49,7 @@ def _step(w, model, opt, step, extras=(1.0, 2.0)):
 
 
 def test_sma_pulls_each_replica_alpha_of_the_way_to_the_average(w):
-    model, opt = _setup(w, Strategy("sma", sma_alpha=0.25))
+    model, opt = _setup(w, make_strategy("sma", sma_alpha=0.25))
     before, everyone = _all(w, model)
     stats = _step(w, model, opt, 0)
     after, _ = _all(w, model)
@@ -63,7 +63,7 @@ def test_sma_pulls_each_replica_alpha_of_the_way_to_the_average(w):
 def test_local_sgd_averages_after_every_period_th_update(w):
     """As the job runs it: local updates, and after the update of every third step the
     plain average, after which the replicas are one (lr > 0: their updates differ)."""
-    strategy = Strategy("local-sgd", period=3)
+    strategy = make_strategy("local-sgd", period=3)
     model, opt = _setup(w, strategy, lr=0.1)
     _, start_all = _all(w, model)
     for step in range(3):
@@ -80,7 +80,7 @@ def test_local_sgd_averages_after_every_period_th_update(w):
 
 
 def test_local_gradients_stay_local_unless_the_step_is_monitored(w):
-    model, opt = _setup(w, Strategy("sma", sma_alpha=1.0), lr=0.1)
+    model, opt = _setup(w, make_strategy("sma", sma_alpha=1.0), lr=0.1)
     opt.average_models()  # one model everywhere: the gradients differ by data only
     _step(w, model, opt, 0)
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
@@ -95,7 +95,7 @@ def test_local_gradients_stay_local_unless_the_step_is_monitored(w):
 
 
 def test_ssgd_is_unchanged(w):
-    model, opt = _setup(w, Strategy("ssgd"), lr=0.1)
+    model, opt = _setup(w, make_strategy("ssgd"), lr=0.1)
     opt.average_models()
     _step(w, model, opt, 0)
     _, everyone = _all(w, model)

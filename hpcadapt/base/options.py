@@ -26,7 +26,7 @@ class JobOptions:
     monitor_interval: int = 1
     monitor_ema: float = 0.1
     monitor_window: int = 0
-    strategy: str = "ssgd"
+    strategy: Any = "ssgd"   # a name (settings from the fields below) or a Strategy
     sma_alpha: float = 0.1
     local_sgd_period: int = 8
     max_delay: int = 1
@@ -80,6 +80,10 @@ class JobOptions:
         values["policies"] = []
         values["monitors"] = list(getattr(args, "monitor", []) or [])
         values["progress"] = not getattr(args, "no_progress", True)
+        if hasattr(args, "strategy"):  # with its settings' flags, a registered one's too
+            from hpcadapt.base.strategies import from_namespace
+
+            values["strategy"] = from_namespace(args)
         values.update(overrides)
         return cls(**values)
 

@@ -31,7 +31,7 @@ class Plan:
     momentum: Optional[float] = None
     world_size: Optional[int] = None
     remove_rank: Optional[int] = None
-    strategy: Optional[Dict[str, Any]] = None  # hpcadapt.base.strategy.Strategy.to_dict()
+    strategy: Optional[Dict[str, Any]] = None  # hpcadapt.base.strategies.Strategy.to_dict()
     topology: Optional[str] = None  # hpcadapt.comm.topology.Topology's value
     reason: str = ""
     decisions: List[Dict[str, Any]] = field(default_factory=list)
@@ -55,7 +55,7 @@ class Plan:
         if self.momentum is not None and not (0 <= self.momentum < 1):
             raise ConfigurationError(f"plan momentum must be in [0, 1), got {self.momentum!r}")
         if self.strategy is not None:
-            from hpcadapt.base.strategy import Strategy
+            from hpcadapt.base.strategies import Strategy
 
             Strategy.from_dict(self.strategy)
         if self.topology is not None:

@@ -16,7 +16,7 @@ from hpcadapt.base import faults
 from hpcadapt.base.errors import HpcAdaptError
 from hpcadapt.base.metrics import DecisionRecord, StrategyRecord, TopologyRecord
 from hpcadapt.base.plan import Plan
-from hpcadapt.base.strategy import Strategy
+from hpcadapt.base.strategies import Strategy
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 

@@ -42,7 +42,7 @@ from hpcadapt.comm.fusion import Bucket, plan_buckets
 from hpcadapt.parallel.broadcasts import (BufferBroadcast, broadcast_optimizer_state,
                                           broadcast_parameters)
 from hpcadapt.comm.world import World, wait_request, world as current_world
-from hpcadapt.base.strategy import Strategy
+from hpcadapt.base.strategies import SSGD, Strategy
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "GradientStats", "BufferBroadcast"]
@@ -127,7 +127,7 @@ class DistributedOptimizer:
         # revoked communicator), raised by ``synchronize`` where the job handles it: an
         # exception out of a hook would surface from autograd's backward instead.
         self._hook_failure: Optional[BaseException] = None
-        self.strategy = Strategy()
+        self.strategy: Strategy = SSGD()
         self._sync_grads = True       # this step averages gradients (the strategy, monitors)
         self._model_alpha: Optional[float] = None  # this step's pull towards the average
         # this step's models' average in flight: (buckets, their tensors, handles)
@@ -235,7 +235,7 @@ class DistributedOptimizer:
         return self._plane.plane
 
     def set_strategy(self, strategy: Strategy) -> None:
-        """The synchronisation strategy from the next step on (``hpcadapt.base.strategy``)."""
+        """The synchronisation strategy from the next step on (``hpcadapt.base.strategies``)."""
         self.strategy = strategy
 
     def begin_step(self, step: int) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hpcadapt.base.errors import ConfigurationError
-from hpcadapt.base.strategy import Strategy
+from hpcadapt.base.strategies import SSGD, Strategy
 
 __all__ = ["HyperParams", "UserState", "TrainingState", "CHECKPOINT_FORMAT", "read_checkpoint"]
 
@@ -139,7 +139,7 @@ class TrainingState:
         self.gns = gns
         self.user = user
         self.policies = policies  # the engine (rank 0 decides with it), or None
-        self.strategy = Strategy()  # the synchronisation strategy (hpcadapt.base.strategy)
+        self.strategy: Strategy = SSGD()  # the synchronisation strategy
         self.topology = "flat"      # the gradients' allreduce topology (hpcadapt.comm.topology)
         self.step = 0
         self.epoch = 0

@@ -1,0 +1,31 @@
+"""Parsers and range checks the built-in strategies share (one clear line each)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hpcadapt.base.errors import ConfigurationError
+
+
+def whole(flag: str, value: Any, least: int, what: str) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+        raise ConfigurationError(f"{flag} {value!r}: give a whole number of {what}, {least} "
+                                 f"or more")
+
+
+def parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole number") from None
+
+
+def parse_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite number")
+    return value

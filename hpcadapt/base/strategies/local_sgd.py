@@ -1,0 +1,36 @@
+"""``local-sgd`` (model averaging every ``period`` steps): replicas train on their own
+gradients and take the plain average of all after the update of every ``period``-th step
+(then they are one again)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hpcadapt.base.strategies.checks import parse_int, whole
+from hpcadapt.base.strategies.strategy import Setting, Strategy
+
+
+def _period(text: str) -> int:
+    value = parse_int(text)
+    if value < 1:
+        raise ValueError(f"must be a positive whole number (1 or more), got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class LocalSGD(Strategy):
+    name = "local-sgd"
+    summary = "average the models every --local-sgd-period steps"
+    settings = (Setting("period", "--local-sgd-period", _period,
+                        "steps between model averages (1 or more)", "local_sgd_period"),)
+
+    period: int = 8
+
+    def __post_init__(self) -> None:
+        whole("--local-sgd-period", self.period, 1, "steps")
+
+    def averages_after(self, step: int) -> bool:
+        return (step + 1) % self.period == 0
+
+    def describe(self) -> str:
+        return f"local-sgd (every {self.period} steps)"
