@@ -21,32 +21,31 @@ import argparse
 import logging
 import math
 import os
-import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
 from hpcadapt.base import agent_files as agent
 from hpcadapt.base import config, faults, lifecycle
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
-from hpcadapt.base.metrics import MetricsSink
 from hpcadapt.base.options import JobOptions, refuse_inconsistent
 from hpcadapt.base.preemption import StopSignals
 from hpcadapt.base import strategies
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
-from hpcadapt.data.loader import ElasticDataLoader, WalkKey
+from hpcadapt.data.loader import ElasticDataLoader, WalkKey, split_micro
 from hpcadapt.loop.boundary import Boundary
 from hpcadapt.adapt.control import StepTimes
 from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.loop.failures import FailureHandling
 from hpcadapt.loop.resizing import MembershipChanges
-from hpcadapt.adapt.monitors import GradientNoiseScale, MonitorConfig
+from hpcadapt.adapt.monitors import GradientNoiseScale, MonitorConfig, PreviousGradient
 from hpcadapt.loop.monitoring import Monitoring
-from hpcadapt.loop.progress import TrainingProgress
+from hpcadapt.loop.recording import Recorder
 from hpcadapt.loop.rounds import BoundedDelayRounds
-from hpcadapt.loop.setup_checks import SetUpChecks
+from hpcadapt.loop import setup_checks
 from hpcadapt.loop.steps import StepLoop
 from hpcadapt.loop.stops import StopsAndCheckpoints
 from hpcadapt.parallel.optimizer import DistributedOptimizer
@@ -60,7 +59,7 @@ __all__ = ["Job", "JobOptions", "StepTimes"]
 log = logging.getLogger(__name__)
 
 
-class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
+class Job(StepLoop, BoundedDelayRounds, Boundary,
           MembershipChanges, FailureHandling, Monitoring, StopsAndCheckpoints):
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
@@ -118,7 +117,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         self.world.watch.floor = o.peer_timeout
         self.world.watch.stop_flag = lambda: bool(self.stop_signals is not None
                                                   and self.stop_signals.received)
-        self.device_choice = self._choose_device()
+        self.device_choice = setup_checks.choose_device(o, self.world)
         #: where this rank trains: move the model (and each batch) here before ``setup``
         self.device = torch.device(self.device_choice.torch_device)
         from hpcadapt.policies.lr_rules import LRRule
@@ -130,9 +129,9 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         if o.max_workers is not None:
             self._setup_elastic()
         if not self.joining:
-            self._check_output_folders()
-        self.sink = MetricsSink(o.metrics_file if not self.joining else None,
-                                enabled=self.world.rank == 0)
+            setup_checks.check_output_folders(o, self.world)
+        self.recorder = Recorder(o.metrics_file if not self.joining else None,
+                                 enabled=self.world.rank == 0)
         if self.world.rank == 0 and not self.joining:
             agent.record_coordinator()  # for the agent's signals, when there is one
         self.state: Optional[TrainingState] = None
@@ -147,8 +146,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         self._resumed = False
         self._resumed_at: Optional[int] = None
         self._queued_hooks: List[tuple] = []
-        self._prev_grads: Optional[List[torch.Tensor]] = None
-        self._prev_count = 0  # the global batch of the step whose gradients _prev_grads hold
+        self.previous_gradient = PreviousGradient()  # one replica's noise-scale estimate
         self._prev_local = (0.0, 0.0, 0.0)
         self._step_time = 0.0
         self._last_count = 0
@@ -171,21 +169,16 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         # call ran for a step given up, and is undone when the loop asks for the next batch.
         self._undo_at_next_batch: Optional[StepCommit] = None
         self._used_settings: Dict[str, Any] = {}  # the optimizer's, at the last update
-        self.user_metrics: Dict[str, float] = {}  # the last value of each (log_epoch)
         self._part = None  # this rank's share of the step in flight (sampler.StepSlice)
         self._round_nonfinite = 0  # a bounded-delay round's non-finite updates (control)
         self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
         self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
         self._finish_requested = False
-        self._epoch_logged = False
         self.exit_code = 0
         self._sample_file = None
         self._async_work = None     # a bounded-delay worker's batch in progress
         self._async_totals: Dict[str, Any] = {}  # rank 0: bounded-delay rounds so far
         self._identical_after_resize: Optional[bool] = None
-        self._epoch_samples = 0
-        self._epoch_losses: List[float] = []
-        self._t_epoch = time.perf_counter()
         if o.sample_log:
             os.makedirs(o.sample_log, exist_ok=True)
             # Line-buffered: a worker killed at any moment has written every step it
@@ -226,9 +219,10 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         self.extra.check_serialisable()
         self.identity = dict(identity or {})
         self.model, self.loader = model, loader
+        plane = setup_checks.data_plane(model, o, self.device, self.device_choice)
         self.optimizer = DistributedOptimizer(
             optimizer, model.named_parameters(), world=self.world, bucket_bytes=o.bucket_bytes,
-            extra_slots=self._control_layout().length, data_plane=self._data_plane(model),
+            extra_slots=self._control_layout().length, data_plane=plane,
             buffers=model.buffers() if o.broadcast_buffers else ())
         group = optimizer.param_groups[0]
         hyper = HyperParams(batch_size=loader.batch_size, lr=reference_lr(group),
@@ -282,6 +276,53 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
         and the user's code after its ``job.step`` is undone at the loop's next batch."""
         return self.state.step if self.state is not None else 0
 
+    # -- progress, for schedulers: read-only, the same on every rank ------------------------
+    @property
+    def global_batch_size(self) -> int:
+        """The global batch of the next step (policies change it)."""
+        return self._require_setup().hyper.batch_size
+
+    @property
+    def local_batch_size(self) -> int:
+        """This rank's share of the current step's global batch (0 for an empty share)."""
+        if self._part is not None:
+            return len(self._part.indices)
+        return len(self._require_setup().sampler.peek(self.global_batch_size, self.rank,
+                                                      self.size).indices)
+
+    @property
+    def accumulation_steps(self) -> int:
+        """The micro-batches this rank's share is cut into (``--max-local-batch``): the
+        batches the loader yields, and ``job.step`` calls, per step."""
+        return max(1, len(split_micro(np.arange(self.local_batch_size),
+                                      self.options.max_local_batch)))
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples trained on in committed steps, over all epochs (the global cursor)."""
+        return self._require_setup().samples_seen
+
+    @property
+    def epoch_progress(self) -> float:
+        """Training progress in epochs, as a float (2.5: half-way through the third)."""
+        return self._require_setup().epoch_progress
+
+    @property
+    def scale_invariant_steps(self) -> float:
+        """The steps a run at the starting global batch would have taken for the samples
+        seen so far (AdaptDL's progress): a step-based LR schedule keyed on this is the
+        same whatever batch sizes the policies chose (see ``hpcadapt.ProgressLR``)."""
+        return self._require_setup().scale_invariant_steps
+
+    @property
+    def gain_steps(self) -> float:
+        """AdaScale's scale-invariant iterations: each committed step adds its gain r (the
+        ``--lr-rule adascale`` factor, 1 <= r <= B/B0) and, under any other rule, B/B0 (so
+        it equals ``scale_invariant_steps``). A schedule keyed on it
+        (``ProgressLR(sched, job, key="gain")``) is AdaScale's: it moves as fast as the
+        gradient's information, not its samples."""
+        return self._require_setup().gain_steps
+
     @property
     def lr_factor(self) -> float:
         """The policies' factor on your rates (``--lr-rule``, its ramp, a policy's rate): the
@@ -313,9 +354,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
                     self._hook_in_scope("before_epoch")
                 skip_before = False
                 first = False
-                self._epoch_samples, self._epoch_losses = 0, []
-                self._t_epoch = time.perf_counter()
-                self._epoch_logged = False
+                self.recorder.start_epoch()
                 yielded = st.epoch
                 yield st.epoch
                 if self.left or self.stopped:
@@ -325,7 +364,7 @@ class Job(SetUpChecks, TrainingProgress, StepLoop, BoundedDelayRounds, Boundary,
                     # the epoch: its end (and the next one's start) came with that state.
                     skip_before = True
                     continue
-                if not self._epoch_logged:
+                if not self.recorder.epoch_logged:
                     self.log_epoch()
                 if self.finished_by_stop_file or self._max_steps_reached():
                     break

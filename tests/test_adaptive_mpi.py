@@ -74,7 +74,7 @@ def test_decisions_identical_on_every_rank(w, tmp_path_factory):
     assert len({bs for _, bs, _, _ in trace}) > 1, "the policy never changed the batch"
     assert job.replicas_identical()
     if w.rank == 0:
-        job.sink.close()
+        job.recorder.close()
         rows = [json.loads(line) for line in open(metrics)]
         decisions = [r for r in rows if r["event"] == "decision"]
         assert any(r["policy"] == "gns-batch" and "noise_scale" in r["metrics"] for r in decisions)

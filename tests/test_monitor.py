@@ -272,3 +272,23 @@ def test_the_band_is_open_until_the_error_can_be_told():
     assert all(math.isnan(v) for v in gns.interval())
     gns.update(_noiseless(1.0, 10.0), 32)
     assert gns.interval() == (0.0, math.inf)   # one estimate: no spread yet
+
+
+def test_previous_gradient_keeps_a_copy_and_forgets_on_demand():
+    import torch
+
+    from hpcadapt.adapt.monitors import PreviousGradient, estimate_from_consecutive
+
+    prev = PreviousGradient()
+    g1 = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    g2 = [torch.tensor([2.0, 1.0]), torch.tensor([2.0])]
+    assert prev.estimate(g2, 32) is None          # nothing kept yet
+    prev.keep(g1, 16)
+    g1[0].add_(100.0)                             # the optimizer reuses its buffers
+    want = estimate_from_consecutive(g2, [torch.tensor([1.0, 2.0]), torch.tensor([3.0])],
+                                     32, 16)
+    assert prev.estimate(g2, 32) == want
+    prev.keep(g2, 32)                             # the same layout: copied in place
+    assert prev.estimate(g2, 32).grad_sq == sum(float((g * g).sum()) for g in g2)
+    prev.forget()
+    assert prev.estimate(g2, 32) is None

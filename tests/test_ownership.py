@@ -13,16 +13,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Measured 2026-11-27: 78 attributes written, 41 of them from more than one file (most are
 # set in Job.__init__ and written again by one mixin; _in_flight, _step_open and _prev_grads
-# by four files).
+# by four files). Repaid since: sink, _epoch_logged, _epoch_samples (loop/recording.py),
+# _prev_grads, _prev_count (adapt/monitors.PreviousGradient).
 SHARED = {
-    "_async_work", "_epoch_logged", "_epoch_samples", "_finish_requested", "_holds_state",
+    "_async_work", "_finish_requested", "_holds_state",
     "_identical_after_resize", "_in_flight", "_last_count", "_loss_sum", "_micro_left",
-    "_nonfinite_run", "_own_compute", "_part", "_prev_count", "_prev_grads", "_prev_local",
+    "_nonfinite_run", "_own_compute", "_part", "_prev_local",
     "_queued_hooks", "_requeue", "_restart", "_resumed_at", "_round_nonfinite", "_slept",
     "_step_open", "_step_time", "_stop_requested", "_t_step", "_undo_at_next_batch",
     "_used_settings", "_walk", "_walk_cursor", "allocator", "elastic", "exit_code",
     "finished_by_stop_file", "joining", "last_loss", "last_times", "left", "monitored",
-    "sink", "stopped",
+    "stopped",
 }
 
 

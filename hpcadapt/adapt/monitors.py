@@ -21,7 +21,7 @@ noise scale), and the signal-to-noise ratio of the global gradient is |G|^2 / (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 if TYPE_CHECKING:  # torch loads with the training, not with the flags (see hpcadapt.args)
     import torch
@@ -31,7 +31,7 @@ from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.noise_scale import GradientNoiseScale, NoiseEstimate, estimate_from_replicas
 
 __all__ = ["MonitorConfig", "GradientNoiseScale", "NoiseEstimate", "estimate_from_replicas",
-           "estimate_from_consecutive", "MONITORS"]
+           "estimate_from_consecutive", "PreviousGradient", "MONITORS"]
 
 MONITORS = ("gns", "variance")
 
@@ -75,3 +75,31 @@ def estimate_from_consecutive(g_now: Sequence["torch.Tensor"], g_prev: Sequence[
     diff_sq = sum(float(torch.sum((a - b) ** 2)) for a, b in zip(g_now, g_prev))
     trace = diff_sq / (1.0 / batch_now + 1.0 / batch_prev)
     return NoiseEstimate(dot, trace, trace / batch_now)
+
+
+class PreviousGradient:
+    """One replica has no second gradient of the same step: the last step's gradient stands
+    in for it (``estimate_from_consecutive``). Kept only when the next step is monitored,
+    forgotten whenever the next step's gradient would not be comparable (a skipped or
+    overflowed update, a resize, a second replica)."""
+
+    def __init__(self) -> None:
+        self._grads: Optional[List["torch.Tensor"]] = None
+        self._batch = 0   # the global batch the kept gradient was computed on
+
+    def keep(self, grads: Sequence["torch.Tensor"], batch: int) -> None:
+        if self._grads is None or len(self._grads) != len(grads):
+            self._grads = [g.clone() for g in grads]
+        else:
+            for dst, src in zip(self._grads, grads):
+                dst.copy_(src)
+        self._batch = batch
+
+    def forget(self) -> None:
+        self._grads = None
+
+    def estimate(self, grads: Sequence["torch.Tensor"], batch: int) -> Optional[NoiseEstimate]:
+        """The estimate from this step's gradient and the kept one (None: none kept)."""
+        if self._grads is None:
+            return None
+        return estimate_from_consecutive(grads, self._grads, batch, self._batch)

@@ -33,8 +33,7 @@ class Boundary:
         """Between two steps, on every rank: metrics, stop, policies, resizes. Returns
         whether training goes on in this epoch."""
         st = self.state
-        self._epoch_samples += count
-        self._epoch_losses.append(self.last_loss)
+        self.recorder.count_step(count, self.last_loss)
         self._log_step(count)
         if self._stop_requested:
             self._stop_for_signal()
@@ -105,7 +104,7 @@ class Boundary:
                                 f"{self.world.cluster_version}")
         if self.world.rank == 0:
             for d in plan.decisions:
-                self.sink.write(DecisionRecord(
+                self.recorder.write(DecisionRecord(
                     step=snap.step, epoch=snap.epoch, policy=d["policy"], changes=d["changes"],
                     reason=d["reason"], metrics=d["metrics"], world_size=self.world.size,
                     batch_size=plan.batch_size or snap.batch_size,
@@ -181,7 +180,7 @@ class Boundary:
         self.world.bump_version()
         if self.world.rank == 0:
             log.info("allreduce topology %s -> %s at step %d (%s)", old, name, st.step, reason)
-        self.sink.write(TopologyRecord(step=st.step, epoch=st.epoch, from_=old, to=name,
+        self.recorder.write(TopologyRecord(step=st.step, epoch=st.epoch, from_=old, to=name,
                                        reason=reason, previous_cluster_version=version,
                                        cluster_version=self.world.cluster_version))
 
@@ -230,7 +229,7 @@ class Boundary:
         if self.world.rank == 0:
             log.info("strategy %s -> %s at step %d (%s)", old.describe(), new.describe(),
                      st.step, reason)
-        self.sink.write(StrategyRecord(step=st.step, epoch=st.epoch, from_=old.to_dict(),
+        self.recorder.write(StrategyRecord(step=st.step, epoch=st.epoch, from_=old.to_dict(),
                                        to=new.to_dict(), reason=reason,
                                        previous_cluster_version=version,
                                        cluster_version=self.world.cluster_version,

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from hpcadapt.base import agent_files as agent, config, faults, lifecycle
-from hpcadapt.base.metrics import FailureRecord, MetricsSink, RecoveryRecord
+from hpcadapt.base.metrics import FailureRecord, RecoveryRecord
 from hpcadapt.base.preemption import EXIT_REQUEUE
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.world import CommView
@@ -57,7 +57,7 @@ class FailureHandling:
                   f".{int(detected * 1000) % 1000:03d}")
         code = EXIT_REQUEUE
         if self.world.rank == 0 and st is not None:
-            self.sink.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
+            self.recorder.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
                                           step=st.step, epoch=st.epoch,
                                           world_size=self.world.size, detected_unix=detected,
                                           waited_s=exc.waited_s,
@@ -73,7 +73,7 @@ class FailureHandling:
                           "no --checkpoint" if not self.options.checkpoint else
                           "a joined worker does not save", st.step, code)
             self._record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
-        self.sink.close()
+        self.recorder.close()
         if self._sample_file is not None:
             self._sample_file.close()
         self._close_loader()
@@ -198,7 +198,7 @@ class FailureHandling:
             log.warning("rank(s) %s of %d died (%s): recovered in %.3f s on %d workers, "
                         "training from step %d", list(agreement.dead), old_size, exc,
                         time.perf_counter() - t0, self.world.size, self.state.step)
-        self.sink.write(RecoveryRecord(
+        self.recorder.write(RecoveryRecord(
             dead=list(agreement.dead), dead_pids=dead_pids, rank=agreement.dead[0],
             cause=exc.cause, detail=str(exc), step=self.state.step, step_in_flight=rolled_from,
             epoch=self.state.epoch, old_size=old_size, world_size=self.world.size,
@@ -251,8 +251,7 @@ class FailureHandling:
         reached every rank with the last applied decision; what is lost are the counters
         that moved since (cooldowns, probes: rank 0 alone held them). Every decision already
         applied (batch, rate, size) is in the training state that all ranks hold."""
-        self.sink.close()
-        self.sink = MetricsSink.take_over(self.options.metrics_file)
+        self.recorder.take_over(self.options.metrics_file)
         self.joining = False  # a joiner no longer: it owns the checkpoint and the end
         if self.elastic is not None:
             self.elastic.warm_spares = self.options.warm_spares

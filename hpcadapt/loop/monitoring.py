@@ -11,16 +11,15 @@ import logging
 import hashlib
 import math
 import sys
-import time
 from dataclasses import asdict
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
-from hpcadapt.base.metrics import EpochRecord, StepRecord
+from hpcadapt.base.metrics import StepRecord
 from hpcadapt.comm.collectives import ReduceOp, communicator
-from hpcadapt.adapt.monitors import estimate_from_consecutive, estimate_from_replicas
+from hpcadapt.adapt.monitors import estimate_from_replicas
 
 __all__ = ["Monitoring"]
 
@@ -69,11 +68,9 @@ class Monitoring:
             est = estimate_from_replicas(stats.local_sqnorm_mean, stats.global_sqnorm,
                                          replicas, global_count)
         else:
-            grads = self.optimizer.flat_gradients()
-            if self._prev_grads is None:
+            est = self.previous_gradient.estimate(self.optimizer.flat_gradients(), global_count)
+            if est is None:
                 return  # the step before was not kept (a resize, a skipped step)
-            est = estimate_from_consecutive(grads, self._prev_grads, global_count,
-                                            self._prev_count)
         if not self.state.gns.update(est, global_count):
             log.warning("step %d: non-finite gradient statistics skipped (|G|^2=%s, trS=%s)",
                         self.state.step, est.grad_sq, est.trace_sigma)
@@ -83,15 +80,10 @@ class Monitoring:
         st = self.state
         if self.world.size == 1 and self.monitor_cfg.enabled and \
                 (st.step + 2) % self.monitor_cfg.interval == 0:
-            grads = self.optimizer.flat_gradients()
-            if self._prev_grads is None or len(self._prev_grads) != len(grads):
-                self._prev_grads = [g.clone() for g in grads]
-            else:
-                for dst, src in zip(self._prev_grads, grads):
-                    dst.copy_(src)
-            self._prev_count = self._part.global_count
+            self.previous_gradient.keep(self.optimizer.flat_gradients(),
+                                        self._part.global_count)
         elif self.world.size > 1:
-            self._prev_grads = None
+            self.previous_gradient.forget()
 
     def _step_monitors(self) -> Dict[str, Any]:
         gns = self.state.gns
@@ -149,7 +141,7 @@ class Monitoring:
     def _log_step(self, count: int) -> None:
         st = self.state
         used = self._used_settings
-        self.sink.write(StepRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
+        self.recorder.write(StepRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
                                    batch_size=st.hyper.batch_size, lr=used["lr"],
                                    momentum=used["momentum"], loss=self.last_loss,
                                    samples_per_s=count / self._step_time if self._step_time else 0.0,
@@ -173,18 +165,11 @@ class Monitoring:
         mine = user_metrics(extra)
         if test_accuracy is not None:
             st.last_accuracy = float(test_accuracy)
-        elapsed = time.perf_counter() - self._t_epoch
-        losses = [x for x in self._epoch_losses if x == x]
-        rec = EpochRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
-                          batch_size=st.hyper.batch_size, lr=self._last_lr(),
-                          loss=float(np.mean(losses)) if losses else float("nan"),
-                          samples_per_s=self._epoch_samples / elapsed if elapsed else 0.0,
-                          test_accuracy=st.last_accuracy if test_accuracy is not None
-                          else float("nan"), epoch_time_s=elapsed,
-                          cluster_version=self.world.cluster_version)
-        self.sink.write({**asdict(rec), **mine})
-        self.user_metrics.update(mine)
-        self._epoch_logged = True
+        rec = self.recorder.write_epoch(
+            step=st.step, epoch=st.epoch, world_size=self.world.size,
+            batch_size=st.hyper.batch_size, lr=self._last_lr(),
+            test_accuracy=st.last_accuracy if test_accuracy is not None else None,
+            cluster_version=self.world.cluster_version, user=mine)
         if self.world.rank == 0:
             # Only what was measured or logged: no "test accuracy nan" for a script that
             # reports its own metrics instead.
@@ -212,4 +197,4 @@ class Monitoring:
                          epoch_progress=float(self.epoch_progress),
                          batch_size=st.hyper.batch_size, lr=self._last_lr(),
                          world_size=self.world.size, cluster_version=self.world.cluster_version)
-        self.sink.write({**asdict(rec), **mine})
+        self.recorder.write({**asdict(rec), **mine})

@@ -23,6 +23,7 @@ from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.comm.world import CommView
 from hpcadapt.elastic.allocator import LocalAllocator
+from hpcadapt.loop.setup_checks import say_once
 
 __all__ = ["MembershipChanges"]
 
@@ -76,19 +77,19 @@ class MembershipChanges:
             return want, "initial workers"
         now = max(want, self.world.size)
         if o.resume_size == "launch":
-            self._say_once("the checkpoint was written by %d workers; --resume-size launch: "
-                           "training goes on at %d", saved, now)
+            say_once(self.world, "the checkpoint was written by %d workers; --resume-size "
+                     "launch: training goes on at %d", saved, now)
             return want, "initial workers"
         if self.elastic is None:
-            self._say_once("the checkpoint was written by %d workers; without --max-workers "
-                           "the job cannot grow back: training goes on at %d (start with "
-                           "--max-workers %d, or -n %d)", saved, now, saved, saved)
+            say_once(self.world, "the checkpoint was written by %d workers; without "
+                     "--max-workers the job cannot grow back: training goes on at %d (start "
+                     "with --max-workers %d, or -n %d)", saved, now, saved, saved)
             return want, "initial workers"
         reach = min(saved, o.max_workers)
-        self._say_once("the checkpoint was written by %d workers: growing back to %d before "
-                       "the first step%s (--resume-size launch keeps the launch's %d)", saved,
-                       reach, f" (--max-workers {o.max_workers})" if reach < saved else "",
-                       self.world.size)
+        say_once(self.world, "the checkpoint was written by %d workers: growing back to %d "
+                 "before the first step%s (--resume-size launch keeps the launch's %d)", saved,
+                 reach, f" (--max-workers {o.max_workers})" if reach < saved else "",
+                 self.world.size)
         return reach, f"resuming at the checkpoint's {saved} workers"
 
     def _start_initial_workers(self, count: int, reason: str = "initial workers") -> None:
@@ -414,7 +415,7 @@ class MembershipChanges:
                 log.error("replicas differ after the resize to %d workers", self.world.size)
             self._identical_after_resize = identical
         self._prev_local = (0.0, 0.0, 0.0)
-        self._prev_grads = None
+        self.previous_gradient.forget()
         self.last_times = None
         now = time.perf_counter()
         outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
@@ -433,7 +434,7 @@ class MembershipChanges:
         self.resizes.append(row)
         if outcome.old_size < 0:
             return  # a joiner's view; rank 0 of the running job records the resize
-        self.sink.write(ResizeRecord(step=st.step, epoch=st.epoch, old_size=outcome.old_size,
+        self.recorder.write(ResizeRecord(step=st.step, epoch=st.epoch, old_size=outcome.old_size,
                                      new_size=outcome.new_size, reason=outcome.reason,
                                      pause_s=outcome.pause_s, ok=outcome.ok,
                                      cluster_version=self.world.cluster_version,
@@ -458,7 +459,7 @@ class MembershipChanges:
     def _leave(self) -> None:
         """This rank left the job in a shrink: nothing of it is needed any more."""
         self._close_loader()
-        self.sink.close()
+        self.recorder.close()
         if self._sample_file is not None:
             self._sample_file.close()
         world_mod.shutdown()

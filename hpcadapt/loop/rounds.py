@@ -178,7 +178,7 @@ class BoundedDelayRounds:
             hist = totals.setdefault(name, {})
             for delay, n in getattr(report, name).items():
                 hist[str(delay)] = hist.get(str(delay), 0) + n
-        self.sink.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
+        self.recorder.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
                                            steps=steps, max_delay=st.strategy.max_delay,
                                            world_size=self.world.size, **report.to_dict()))
         if self._sample_file is not None:

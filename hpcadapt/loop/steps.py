@@ -223,10 +223,10 @@ class StepLoop:
             if scaler is not None:
                 scaler.update()
                 if float(scaler.get_scale()) < scale:
-                    self._prev_grads = None  # an overflow: no gradient to compare with
+                    self.previous_gradient.forget()  # an overflow: nothing to compare with
         else:
             self._nonfinite_run += 1
-            self._prev_grads = None
+            self.previous_gradient.forget()
             if self.world.rank == 0:
                 log.warning("step %d: the loss or gradient is not finite (loss %s); the update "
                             "is skipped (%d in a row)", st.step, self.last_loss,

@@ -53,7 +53,7 @@ class StopsAndCheckpoints:
         if self.world.rank == 0:
             log.info("resumed from %s at epoch %d, step %d", path, self.state.epoch,
                      self.state.step)
-            self.sink.write(ResumeRecord(step=self.state.step, epoch=self.state.epoch,
+            self.recorder.write(ResumeRecord(step=self.state.step, epoch=self.state.epoch,
                                          world_size=self.world.size,
                                          saved_world_size=self.state.world_size,
                                          checkpoint=path,
@@ -89,7 +89,7 @@ class StopsAndCheckpoints:
     def _record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
         """Rank 0: the stop's line in the metrics (plots mark it)."""
         st = self.state
-        self.sink.write(StopRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
+        self.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
                                    signal=why, saved=saved,
                                    checkpoint=self.options.checkpoint if saved else None,
                                    requeue=requeue, cluster_version=self.world.cluster_version))
@@ -166,7 +166,7 @@ class StopsAndCheckpoints:
                         "left": self.left, "cluster_version": self.world.cluster_version,
                         "resizes": self.resizes, "stopped": self.stopped,
                         "strategy": st.strategy.name, "model_digest": self.model_digest(),
-                        "user_metrics": dict(self.user_metrics),
+                        "user_metrics": dict(self.recorder.user_metrics),
                         **({"bounded_delay": self._async_totals}
                            if self._async_totals else {})})
 
@@ -184,7 +184,7 @@ class StopsAndCheckpoints:
             if self.options.summary_json:
                 with open(self.options.summary_json, "w", encoding="utf-8") as f:
                     json.dump(summary, f)
-        self.sink.close()
+        self.recorder.close()
         if self._sample_file is not None:
             self._sample_file.close()
         if self.elastic is not None:

@@ -161,6 +161,22 @@ class TrainingState:
         during the update only (see ``rates_scaled``)."""
         return self.hyper.lr / self.origin["lr"]
 
+    @property
+    def samples_seen(self) -> int:
+        """Samples trained on in committed steps, over all epochs (the global cursor)."""
+        return self.epoch * self.sampler.num_samples + self.sampler.cursor
+
+    @property
+    def epoch_progress(self) -> float:
+        """Training progress in epochs, as a float (2.5: half-way through the third)."""
+        return self.samples_seen / self.sampler.num_samples
+
+    @property
+    def scale_invariant_steps(self) -> float:
+        """The steps a run at the starting global batch would have taken for the samples
+        seen so far (AdaptDL's progress)."""
+        return self.samples_seen / self.origin["batch_size"]
+
     def count_gain(self, samples: int, adascale: bool) -> None:
         """Add a committed step's progress to ``gain_steps``: under the AdaScale rule its gain
         r (the rule's rate over its base rate: AdaScale's iterations advance by r), else

@@ -16,7 +16,7 @@ def _least(least: int):
     def parse(text: str) -> int:
         value = parse_int(text)
         if value < least:
-            raise ValueError(f"must be {least} or more, got {text!r}")
+            raise ValueError(f"must be >= {least}, got {value}")
         return value
     return parse
 

@@ -13,7 +13,7 @@ from hpcadapt.base.strategies.strategy import Setting, Strategy
 def _period(text: str) -> int:
     value = parse_int(text)
     if value < 1:
-        raise ValueError(f"must be a positive whole number (1 or more), got {text!r}")
+        raise ValueError(f"must be a positive integer (>= 1), got {value}")
     return value
 
 

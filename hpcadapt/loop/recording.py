@@ -1,0 +1,69 @@
+"""The metrics file's writer and the epoch's running totals, with one owner: ``Recorder``.
+
+The job hands it each record (steps, decisions, switches, resizes, failures, stops) and
+tells it where an epoch starts and what each step trained; it writes the epoch line from
+those totals and keeps the user's last metrics for the summary. A recovery that makes this
+rank the new rank 0 takes the file over (``take_over``). Only rank 0's recorder writes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any, Dict, List, Mapping, Optional
+
+import numpy as np
+
+from hpcadapt.base.metrics import EpochRecord, MetricsSink
+
+__all__ = ["Recorder"]
+
+
+class Recorder:
+    """Writes the metrics file (rank 0) and totals the epoch in progress."""
+
+    def __init__(self, metrics_file: Optional[str], *, enabled: bool):
+        self._sink = MetricsSink(metrics_file, enabled=enabled)
+        #: the last value of each metric the user logged (log_epoch), for the summary
+        self.user_metrics: Dict[str, float] = {}
+        self.epoch_logged = False
+        self._samples = 0
+        self._losses: List[float] = []
+        self._started = time.perf_counter()
+
+    def write(self, record: Any) -> None:
+        self._sink.write(record)
+
+    def close(self) -> None:
+        self._sink.close()
+
+    def take_over(self, metrics_file: Optional[str]) -> None:
+        """This rank became rank 0 in a recovery: append to the file the old one wrote."""
+        self._sink.close()
+        self._sink = MetricsSink.take_over(metrics_file)
+
+    def start_epoch(self) -> None:
+        self._samples, self._losses = 0, []
+        self._started = time.perf_counter()
+        self.epoch_logged = False
+
+    def count_step(self, samples: int, loss: float) -> None:
+        self._samples += samples
+        self._losses.append(loss)
+
+    def write_epoch(self, *, step: int, epoch: int, world_size: int, batch_size: int,
+                    lr: float, test_accuracy: Optional[float], cluster_version: int,
+                    user: Mapping[str, float]) -> EpochRecord:
+        """The epoch line from this epoch's totals and the user's metrics (``user``)."""
+        elapsed = time.perf_counter() - self._started
+        losses = [x for x in self._losses if x == x]  # not NaN
+        rec = EpochRecord(step=step, epoch=epoch, world_size=world_size,
+                          batch_size=batch_size, lr=lr,
+                          loss=float(np.mean(losses)) if losses else float("nan"),
+                          samples_per_s=self._samples / elapsed if elapsed else 0.0,
+                          test_accuracy=float("nan") if test_accuracy is None
+                          else float(test_accuracy),
+                          epoch_time_s=elapsed, cluster_version=cluster_version)
+        self._sink.write({**asdict(rec), **user})
+        self.user_metrics.update(user)
+        self.epoch_logged = True
+        return rec
