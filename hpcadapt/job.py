@@ -276,6 +276,11 @@ class Job(StepLoop, BoundedDelayRounds, Boundary,
         and the user's code after its ``job.step`` is undone at the loop's next batch."""
         return self.state.step if self.state is not None else 0
 
+    @property
+    def user_metrics(self) -> Dict[str, float]:
+        """The last value of each metric you gave ``log_epoch`` (also in the summary)."""
+        return self.recorder.user_metrics
+
     # -- progress, for schedulers: read-only, the same on every rank ------------------------
     @property
     def global_batch_size(self) -> int:

@@ -99,7 +99,8 @@ def build_lr_rule(args: argparse.Namespace) -> LRRule:
 def unused_flags(args: argparse.Namespace) -> List[str]:
     """Flags given a value other than their default that nothing will read (they would be
     silently ignored): a policy's without ``--policy NAME``, the rate rule's without
-    ``--lr-rule``, bounded delay's without that strategy, the slowdown's without
+    ``--lr-rule``, a strategy's (``--sma-alpha``, ``--max-delay``, ...) without that
+    strategy, the slowdown's without
     ``--slow-rank``. One message per case."""
     chosen = set(getattr(args, "policy", []) or [])
     messages = []

@@ -50,8 +50,8 @@ class SyncSwitch(Policy):
                 "--sync-switch-noise-scale N or --sync-switch-workers K")
         self.settings = {"sma_alpha": sma_alpha, "period": period, "max_delay": max_delay,
                          "round_steps": round_steps}
-        for name in {to} | {name for _, name in steps}:
-            pick(name, self.settings)  # refused now, not later
+        for name in STRATEGIES:
+            pick(name, self.settings)  # a setting out of range is refused now, not later
         self.steps = list(steps)
         self.to = to
         self.noise_scale = noise_scale

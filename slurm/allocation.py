@@ -15,8 +15,8 @@ from .commands import (SQUEUE_FORMAT, SlurmCommandError, check_job_id, check_par
 __all__ = ["Allocation", "in_slurm_job"]
 
 
-def in_slurm_job(env: Mapping[str, str] = os.environ) -> bool:
-    return bool(env.get("SLURM_JOB_ID"))
+def in_slurm_job(env: Optional[Mapping[str, str]] = None) -> bool:
+    return bool((os.environ if env is None else env).get("SLURM_JOB_ID"))
 
 
 @dataclass(frozen=True)

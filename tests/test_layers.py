@@ -113,18 +113,40 @@ def test_no_two_modules_share_a_name():
 
 
 def _module_level(tree):
-    """The statements that run at import (the module's body, outside functions and classes;
-    an ``if``/``try`` at module level runs too)."""
+    """What runs at import: the module's statements, ``if``/``try`` blocks, class bodies,
+    and of each function its decorators and default values (not its body)."""
     todo = list(tree.body)
     while todo:
         node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from node.decorator_list
+            yield from node.args.defaults
+            yield from (d for d in node.args.kw_defaults if d is not None)
+            continue
+        if isinstance(node, ast.ClassDef):
+            yield from node.decorator_list
+            yield from node.bases
+            todo.extend(node.body)
             continue
         if isinstance(node, (ast.If, ast.Try)):
             todo.extend(node.body + node.orelse + getattr(node, "finalbody", [])
                         + [s for h in getattr(node, "handlers", []) for s in h.body])
+            yield from ([node.test] if isinstance(node, ast.If) else [])
             continue
         yield node
+
+
+def _names_of_os(tree):
+    """The names ``os`` is bound to (``import os``, ``import os as _os``) and those of its
+    environment functions imported directly (``from os import environ, getenv``)."""
+    module, direct = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            module |= {a.asname or a.name for a in node.names if a.name == "os"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            direct |= {a.asname or a.name for a in node.names
+                       if a.name in ("environ", "getenv", "putenv")}
+    return module, direct
 
 
 # Where importing a module does something on purpose: importing mpi4py starts MPI, and the
@@ -141,15 +163,40 @@ def test_no_module_reads_or_writes_the_environment_at_import():
         if rel in IMPORT_EFFECTS or "testcluster" in rel:
             continue
         tree = ast.parse(open(path, encoding="utf-8").read())
+        module, direct = _names_of_os(tree)
         for stmt in _module_level(tree):
-            for node in ast.walk(stmt):
-                if isinstance(node, ast.Lambda):
-                    continue
-                if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv",
-                                                                      "putenv")
-                        and isinstance(node.value, ast.Name) and node.value.id == "os"):
+            for node in _walk_outside_lambdas(stmt):
+                if ((isinstance(node, ast.Attribute)
+                     and node.attr in ("environ", "getenv", "putenv")
+                     and isinstance(node.value, ast.Name) and node.value.id in module)
+                        or (isinstance(node, ast.Name) and node.id in direct)):
                     found.append(f"{rel}:{node.lineno}")
     assert not found, "module-level environment access: " + ", ".join(found)
+
+
+def _walk_outside_lambdas(node):
+    """``ast.walk`` that does not enter a lambda (its body runs when called, not at import)."""
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Lambda):
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def test_the_import_reader_sees_class_bodies_defaults_and_aliases():
+    code = ("import os as _o\nfrom os import getenv as g\n"
+            "class A:\n    X = _o.environ.get('A')\n"
+            "def f(x=g('B')):\n    return os.environ['C']\n"
+            "h = lambda: _o.environ['D']\n")
+    tree = ast.parse(code)
+    module, direct = _names_of_os(tree)
+    hits = sorted({n.lineno for s in _module_level(tree) for n in _walk_outside_lambdas(s)
+                   if (isinstance(n, ast.Attribute) and n.attr == "environ"
+                       and isinstance(n.value, ast.Name) and n.value.id in module)
+                   or (isinstance(n, ast.Name) and n.id in direct)})
+    assert hits == [4, 5]   # not the function's body, not the lambda's
 
 
 def test_mpi_is_imported_through_one_module():

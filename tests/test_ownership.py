@@ -11,7 +11,7 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Measured 2026-11-27: 78 attributes of the Job written, 41 of them from more than one file (most are
+# Measured 2026-11-27: 41 attributes of the Job written from more than one file (most are
 # set in Job.__init__ and written again by one mixin; _in_flight, _step_open and _prev_grads
 # by four files). Repaid since: sink, _epoch_logged, _epoch_samples (loop/recording.py),
 # _prev_grads, _prev_count (adapt/monitors.PreviousGradient).

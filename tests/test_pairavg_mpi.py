@@ -15,7 +15,7 @@ import torch
 import hpcadapt
 from hpcadapt.parallel.pairavg import PairExchange, choose_peer
 from hpcadapt.parallel.optimizer import DistributedOptimizer
-from hpcadapt.base.strategies import strategy, Strategy
+from hpcadapt.base.strategies import strategy
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

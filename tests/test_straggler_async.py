@@ -11,7 +11,7 @@ import pytest
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.policies import MetricsSnapshot, POLICIES
 from hpcadapt.policies.straggler_async import StragglerAsync
-from hpcadapt.base.strategies import strategy, Strategy
+from hpcadapt.base.strategies import Strategy, strategy
 
 
 def snap(times, samples=None, strategy="ssgd", step=10):

@@ -9,7 +9,7 @@ from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.plan import Plan
 from hpcadapt.policies import SyncSwitch
 from hpcadapt.policies.base import MetricsSnapshot
-from hpcadapt.base.strategies import STRATEGIES, strategy, Strategy
+from hpcadapt.base.strategies import STRATEGIES, Strategy, strategy
 
 
 def test_which_steps_average_what():
@@ -169,6 +169,7 @@ def test_a_registered_strategy_is_a_full_citizen_and_clashes_are_refused():
         class Thief(Strategy):
             name = "thief"
             settings = (Setting("x", "--sma-alpha", float, "taken"),)
+            x: float = 1.0
 
         with pytest.raises(ConfigurationError, match="registered already"):
             register_strategy(Twin)
@@ -176,3 +177,53 @@ def test_a_registered_strategy_is_a_full_citizen_and_clashes_are_refused():
             register_strategy(Thief)
     finally:
         STRATEGIES.pop("sparse-sma", None)
+
+
+def test_keyword_overrides_win_over_flags_and_unregistered_strategies_are_refused():
+    """Found by review: ``Job(args, sma_alpha=0.3)`` kept the flag's 0.1; the base class (or a
+    class never registered) would have trained without combining the replicas."""
+    from dataclasses import dataclass
+
+    import hpcadapt
+    from hpcadapt.base.options import JobOptions
+    from hpcadapt.base.strategies import Setting, from_options, register_strategy
+    from hpcadapt.train import build_parser
+
+    args = build_parser().parse_args(["--strategy", "sma", "--sma-alpha", "0.2"])
+    assert from_options(JobOptions.from_args(args)) == strategy("sma", sma_alpha=0.2)
+    assert from_options(JobOptions.from_args(args, sma_alpha=0.3)) == strategy("sma",
+                                                                               sma_alpha=0.3)
+    assert from_options(JobOptions.from_args(args, strategy="local-sgd",
+                                             local_sgd_period=3)) == strategy("local-sgd",
+                                                                              period=3)
+    assert from_options(JobOptions(strategy=strategy("local-sgd", period=2))).period == 2
+    assert hpcadapt.strategy is strategy and hpcadapt.register_strategy is register_strategy
+
+    @dataclass(frozen=True)
+    class Unregistered(Strategy):
+        name = "unregistered"
+
+    for bad in (Strategy(), Unregistered()):
+        with pytest.raises(ConfigurationError, match="is not a registered strategy"):
+            from_options(JobOptions(strategy=bad))
+
+    @dataclass(frozen=True)
+    class NoDefault(Strategy):
+        name = "no-default"
+        settings = (Setting("k", "--no-default-k", int, "k"),)
+
+    with pytest.raises(ConfigurationError, match="needs a field of that name with a default"):
+        register_strategy(NoDefault)
+    assert "no-default" not in STRATEGIES
+
+
+def test_a_checkpoint_of_the_flat_form_still_reads():
+    flat = {"name": "sma", "sma_alpha": 0.2, "period": 8, "max_delay": 1, "round_steps": 50}
+    assert Strategy.from_dict(flat) == strategy("sma", sma_alpha=0.2)
+    assert Strategy.from_dict(dict(flat, name="bounded-delay")) == strategy(
+        "bounded-delay", max_delay=1, round_steps=50)
+
+
+def test_sync_switch_refuses_any_setting_out_of_range_whatever_it_switches_to():
+    with pytest.raises(ConfigurationError, match="--sma-alpha 1.5"):
+        SyncSwitch(workers=4, to="ssgd", sma_alpha=1.5)

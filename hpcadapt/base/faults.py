@@ -2,8 +2,9 @@
 signal) at a named point of the step flow, so that an event can be placed where a random
 one rarely lands (the plan's broadcast, a join's merge, a state transfer, a recovery).
 
-``HPCADAPT_FAULT=PHASE:RANK:STEP[:SIGNAL][,...]`` (read once, at the first point reached): the process that
-is rank RANK of its launch (mpirun/mpiexec/srun; never a worker started to join) sends
+``HPCADAPT_FAULT=PHASE:RANK:STEP[:SIGNAL][,...]`` (read once, when the job starts: ``arm``):
+the process that is rank RANK of its launch (mpirun/mpiexec/srun; never a worker started to
+join) sends
 itself SIGNAL (default SIGKILL: a crash, no clean-up) when it first reaches PHASE at step
 STEP or later; a signal other than SIGKILL is sent once (SIGUSR1: a stop asked right
 there). Phases: ``gradient`` (before the step's gradient exchange completes), ``plan``

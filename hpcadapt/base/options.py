@@ -80,11 +80,13 @@ class JobOptions:
         values["policies"] = []
         values["monitors"] = list(getattr(args, "monitor", []) or [])
         values["progress"] = not getattr(args, "no_progress", True)
-        if hasattr(args, "strategy"):  # with its settings' flags, a registered one's too
+        values.update(overrides)
+        if hasattr(args, "strategy") and "strategy" not in overrides:
+            # The named strategy with its settings: a keyword override of a setting
+            # (sma_alpha=0.3) wins over its flag; a registered strategy's own flags count.
             from hpcadapt.base.strategies import from_namespace
 
-            values["strategy"] = from_namespace(args)
-        values.update(overrides)
+            values["strategy"] = from_namespace(args, overrides)
         return cls(**values)
 
 

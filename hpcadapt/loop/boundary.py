@@ -16,7 +16,7 @@ from hpcadapt.base import faults
 from hpcadapt.base.errors import HpcAdaptError
 from hpcadapt.base.metrics import DecisionRecord, StrategyRecord, TopologyRecord
 from hpcadapt.base.plan import Plan
-from hpcadapt.base.strategies import Strategy
+from hpcadapt.base.strategies import Strategy, registered
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 
@@ -154,6 +154,7 @@ class Boundary:
         """Change the synchronisation strategy from the next step on; call on every rank at
         the same point between steps (policies do it through a plan). A peer that dies in
         it is recovered from here; the old strategy stays."""
+        registered(strategy)  # one line, on every rank alike, before any collective
         try:
             self._switch_strategy(strategy, reason)
         except world_mod.FAILURES as exc:

@@ -39,6 +39,16 @@ class SparseSMA(Strategy):
     every: int = 4
     alpha: float = 0.5
 
+    def __post_init__(self) -> None:  # plans and checkpoints build it too, not only flags
+        if not (isinstance(self.every, int) and not isinstance(self.every, bool)
+                and self.every >= 1):
+            raise hpcadapt.ConfigurationError(f"--sparse-sma-every {self.every!r}: give a "
+                                              f"whole number of steps, 1 or more")
+        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha)
+                and 0 < self.alpha <= 1):
+            raise hpcadapt.ConfigurationError(f"--sparse-sma-alpha {self.alpha!r}: give a "
+                                              f"share in (0, 1]")
+
     def model_alpha(self, step: int) -> Optional[float]:
         return self.alpha if step % self.every == 0 else None
 

@@ -6,6 +6,7 @@ point's parser) is made; its settings' flags then appear on the command line."""
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from typing import Any, Dict, Mapping, Type
 
 from hpcadapt.base.errors import ConfigurationError
@@ -17,7 +18,8 @@ from hpcadapt.base.strategies.ssgd import SSGD
 from hpcadapt.base.strategies.strategy import Setting, Strategy
 
 __all__ = ["Strategy", "Setting", "STRATEGIES", "register_strategy", "strategy", "pick",
-           "from_dict", "from_options", "from_namespace", "SSGD", "SMA", "LocalSGD",
+           "from_dict", "from_options", "from_namespace", "registered", "SSGD", "SMA",
+           "LocalSGD",
            "PairAveraging", "BoundedDelay"]
 
 #: name -> class, in registration order (the built-ins first)
@@ -32,6 +34,11 @@ def register_strategy(cls: Type[Strategy]) -> Type[Strategy]:
     if known is not None and known is not cls:
         raise ConfigurationError(f"strategy {cls.name!r} is registered already "
                                  f"({known.__module__}.{known.__qualname__})")
+    defaults = {f.name: f.default for f in fields(cls)}
+    for s in cls.settings:
+        if defaults.get(s.field, MISSING) is MISSING:
+            raise ConfigurationError(f"strategy {cls.name!r}: setting {s.field!r} needs a "
+                                     f"field of that name with a default")
     flags = {s.flag for other in STRATEGIES.values() if other is not cls for s in other.settings}
     clash = sorted(s.flag for s in cls.settings if s.flag in flags)
     if clash:
@@ -95,13 +102,32 @@ def from_options(options: Any) -> Strategy:
     field; the class's default where the options have none)."""
     given = getattr(options, "strategy", "ssgd")
     if isinstance(given, Strategy):
-        return given
+        return registered(given)
     cls = _class(given)
     return cls(**{s.field: getattr(options, s.option) for s in cls.settings
                   if s.option and hasattr(options, s.option)})
 
 
-def from_namespace(args: Any) -> Strategy:
-    """The strategy a namespace of the command line's flags names, with its flags' values."""
+def from_namespace(args: Any, overrides: Mapping[str, Any] = {}) -> Strategy:
+    """The strategy a namespace of the command line's flags names, with its flags' values;
+    ``overrides`` (JobOptions keywords, ``sma_alpha=0.3``) win over the flags."""
     cls = _class(getattr(args, "strategy", "ssgd"))
-    return cls(**{s.field: getattr(args, s.dest) for s in cls.settings if hasattr(args, s.dest)})
+    values = {}
+    for s in cls.settings:
+        if s.option and s.option in overrides:
+            values[s.field] = overrides[s.option]
+        elif hasattr(args, s.dest):
+            values[s.field] = getattr(args, s.dest)
+    return cls(**values)
+
+
+def registered(given: Any) -> Strategy:
+    """``given`` if it is an instance of the class registered under its name, else one
+    line saying what to do (the base class, or a class never registered, would train
+    without combining the replicas and could not be read back from a checkpoint)."""
+    if not isinstance(given, Strategy) or STRATEGIES.get(given.name) is not type(given):
+        raise ConfigurationError(f"{given!r} is not a registered strategy: make one with "
+                                 f"hpcadapt.strategy(name, ...) (names: "
+                                 f"{', '.join(STRATEGIES)}) or register its class with "
+                                 f"hpcadapt.register_strategy")
+    return given

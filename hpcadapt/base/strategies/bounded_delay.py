@@ -42,11 +42,13 @@ class BoundedDelay(Strategy):
     round_steps: int = 50
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.max_delay, int) and self.max_delay >= 0):
+        if not (isinstance(self.max_delay, int) and not isinstance(self.max_delay, bool)
+                and self.max_delay >= 0):
             raise ConfigurationError(f"--max-delay {self.max_delay!r}: give a whole number of "
                                      f"model versions, 0 or more (0: every update on the "
                                      f"newest model)")
-        if not (isinstance(self.round_steps, int) and self.round_steps >= 1):
+        if not (isinstance(self.round_steps, int) and not isinstance(self.round_steps, bool)
+                and self.round_steps >= 1):
             raise ConfigurationError(f"--async-round-steps {self.round_steps!r}: give a whole "
                                      f"number of global batches, 1 or more")
 
