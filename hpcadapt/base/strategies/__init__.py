@@ -7,7 +7,7 @@ point's parser) is made; its settings' flags then appear on the command line."""
 from __future__ import annotations
 
 from dataclasses import MISSING, fields
-from typing import Any, Dict, Mapping, Type
+from typing import Any, Dict, Mapping, Optional, Type
 
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.strategies.bounded_delay import BoundedDelay
@@ -19,8 +19,7 @@ from hpcadapt.base.strategies.strategy import Setting, Strategy
 
 __all__ = ["Strategy", "Setting", "STRATEGIES", "register_strategy", "strategy", "pick",
            "from_dict", "from_options", "from_namespace", "registered", "SSGD", "SMA",
-           "LocalSGD",
-           "PairAveraging", "BoundedDelay"]
+           "LocalSGD", "PairAveraging", "BoundedDelay"]
 
 #: name -> class, in registration order (the built-ins first)
 STRATEGIES: Dict[str, Type[Strategy]] = {}
@@ -108,10 +107,11 @@ def from_options(options: Any) -> Strategy:
                   if s.option and hasattr(options, s.option)})
 
 
-def from_namespace(args: Any, overrides: Mapping[str, Any] = {}) -> Strategy:
+def from_namespace(args: Any, overrides: Optional[Mapping[str, Any]] = None) -> Strategy:
     """The strategy a namespace of the command line's flags names, with its flags' values;
     ``overrides`` (JobOptions keywords, ``sma_alpha=0.3``) win over the flags."""
     cls = _class(getattr(args, "strategy", "ssgd"))
+    overrides = overrides or {}
     values = {}
     for s in cls.settings:
         if s.option and s.option in overrides:
