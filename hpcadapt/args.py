@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import fields
 from typing import List, Optional
 
 from hpcadapt.base.options import RESIZING_POLICIES, refuse_inconsistent
@@ -115,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="; ".join(f"{name}: {cls.summary}" for name, cls in STRATEGIES.items()
                                   if cls.summary))
     for name, cls in STRATEGIES.items():  # each strategy's own settings
-        defaults = {f.name: f.default for f in fields(cls)}
+        defaults = cls.defaults()
         for setting in cls.settings:
             y.add_argument(setting.flag, dest=setting.dest, type=argparse_type(setting.parse),
                            default=defaults[setting.field], metavar=setting.metavar,

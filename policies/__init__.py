@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 from typing import Dict, List, Type
 
 from hpcadapt.base.errors import ConfigurationError
@@ -115,7 +114,7 @@ def unused_flags(args: argparse.Namespace) -> List[str]:
     for name, cls in STRATEGIES.items():  # (sync-switch: its own flags)
         if name == getattr(args, "strategy", "ssgd"):
             continue
-        defaults = {f.name: f.default for f in fields(cls)}
+        defaults = cls.defaults()
         for setting in cls.settings:
             if getattr(args, setting.dest, defaults[setting.field]) != defaults[setting.field]:
                 messages.append(f"{setting.flag} given without --strategy {name}: ignored")

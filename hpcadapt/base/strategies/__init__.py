@@ -6,7 +6,7 @@ point's parser) is made; its settings' flags then appear on the command line."""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from typing import Any, Dict, Mapping, Optional, Type
 
 from hpcadapt.base.errors import ConfigurationError
@@ -33,7 +33,7 @@ def register_strategy(cls: Type[Strategy]) -> Type[Strategy]:
     if known is not None and known is not cls:
         raise ConfigurationError(f"strategy {cls.name!r} is registered already "
                                  f"({known.__module__}.{known.__qualname__})")
-    defaults = {f.name: f.default for f in fields(cls)}
+    defaults = cls.defaults()
     for s in cls.settings:
         if defaults.get(s.field, MISSING) is MISSING:
             raise ConfigurationError(f"strategy {cls.name!r}: setting {s.field!r} needs a "

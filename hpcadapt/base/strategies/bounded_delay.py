@@ -8,17 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpcadapt.base.errors import ConfigurationError
-from hpcadapt.base.strategies.checks import parse_int
+from hpcadapt.base.strategies.checks import at_least
 from hpcadapt.base.strategies.strategy import Setting, Strategy
-
-
-def _least(least: int):
-    def parse(text: str) -> int:
-        value = parse_int(text)
-        if value < least:
-            raise ValueError(f"must be >= {least}, got {value}")
-        return value
-    return parse
 
 
 @dataclass(frozen=True)
@@ -29,11 +20,11 @@ class BoundedDelay(Strategy):
     min_workers = 2
     asynchronous = True
     settings = (
-        Setting("max_delay", "--max-delay", _least(0),
+        Setting("max_delay", "--max-delay", at_least(0),
                 "an update computed on a model more than D versions older than the one it "
                 "would be applied to is dropped (its samples are handed out again); a worker "
                 "pulls the model when its own delay reaches D", "max_delay", "D"),
-        Setting("round_steps", "--async-round-steps", _least(1),
+        Setting("round_steps", "--async-round-steps", at_least(1),
                 "global batches per asynchronous round; policies, resizes, checkpoints and "
                 "stop votes run between rounds", "async_round_steps", "K"),
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from hpcadapt.base.errors import ConfigurationError
 
@@ -19,6 +19,18 @@ def parse_int(text: str) -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"{text!r} is not a whole number") from None
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """A flag's parser for a whole number of ``least`` or more (the messages of
+    ``policies.params.positive_int`` / ``non_negative_int``, which base cannot import)."""
+    def parse(text: str) -> int:
+        value = parse_int(text)
+        if value < least:
+            raise ValueError(f"must be a positive integer (>= 1), got {value}" if least == 1
+                             else f"must be >= {least}, got {value}")
+        return value
+    return parse
 
 
 def parse_float(text: str) -> float:

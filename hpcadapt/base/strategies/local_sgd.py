@@ -6,22 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcadapt.base.strategies.checks import parse_int, whole
+from hpcadapt.base.strategies.checks import at_least, whole
 from hpcadapt.base.strategies.strategy import Setting, Strategy
-
-
-def _period(text: str) -> int:
-    value = parse_int(text)
-    if value < 1:
-        raise ValueError(f"must be a positive integer (>= 1), got {value}")
-    return value
 
 
 @dataclass(frozen=True)
 class LocalSGD(Strategy):
     name = "local-sgd"
     summary = "average the models every --local-sgd-period steps"
-    settings = (Setting("period", "--local-sgd-period", _period,
+    settings = (Setting("period", "--local-sgd-period", at_least(1),
                         "steps between model averages (1 or more)", "local_sgd_period"),)
 
     period: int = 8

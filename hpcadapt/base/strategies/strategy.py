@@ -78,6 +78,11 @@ class Strategy:
     def field_names(cls) -> Tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
+    @classmethod
+    def defaults(cls) -> Dict[str, Any]:
+        """Each setting's default (``dataclasses.MISSING`` for a field without one)."""
+        return {f.name: f.default for f in fields(cls)}
+
     @staticmethod
     def from_dict(raw: Mapping[str, Any]) -> "Strategy":
         """The strategy a ``to_dict`` (a plan's, a checkpoint's) describes."""
