@@ -93,7 +93,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         if i >= warmup:
             times[name].append(dt)
-            monitored[name] += int(job.monitored)
+            monitored[name] += int(job.steps.monitored)
     noise_scale = job.state.gns.noise_scale
     parameters = sum(p.numel() for p in model.parameters())
     slowest = {n: np.maximum.reduce(comm.allgather(np.array(v))) for n, v in times.items()}

@@ -35,7 +35,7 @@ from hpcadapt.base.preemption import StopSignals
 from hpcadapt.base import strategies
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
-from hpcadapt.data.loader import ElasticDataLoader, WalkKey, split_micro
+from hpcadapt.data.loader import ElasticDataLoader, split_micro
 from hpcadapt.loop.boundary import Boundary
 from hpcadapt.adapt.control import StepTimes
 from hpcadapt.adapt.engine import PolicyEngine
@@ -45,11 +45,10 @@ from hpcadapt.adapt.monitors import GradientNoiseScale, MonitorConfig, PreviousG
 from hpcadapt.loop.monitoring import Monitoring
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.loop.rounds import BoundedDelayRounds
+from hpcadapt.loop.steps import StepRunner
 from hpcadapt.loop import setup_checks
-from hpcadapt.loop.steps import StepLoop
 from hpcadapt.loop.stops import StopsAndCheckpoints
 from hpcadapt.parallel.optimizer import DistributedOptimizer
-from hpcadapt.state.rollback import StepCommit
 from hpcadapt.state.training import (HyperParams, TrainingState, UserState, momentum_of,
                                      reference_lr)
 
@@ -59,8 +58,7 @@ __all__ = ["Job", "JobOptions", "StepTimes"]
 log = logging.getLogger(__name__)
 
 
-class Job(StepLoop, BoundedDelayRounds, Boundary,
-          MembershipChanges, FailureHandling, Monitoring, StopsAndCheckpoints):
+class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndCheckpoints):
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
@@ -140,44 +138,18 @@ class Job(StepLoop, BoundedDelayRounds, Boundary,
         self.stopped: Optional[str] = None
         self.finished_by_stop_file = False
         self.resizes: List[Dict[str, Any]] = []
-        self.last_loss = float("nan")
-        self.last_times: Optional[StepTimes] = None
-        self.monitored = False
+        self.steps = StepRunner(self)  # the step in flight and what it leaves behind
+        self.rounds = BoundedDelayRounds(self, self.steps)
         self._resumed = False
         self._resumed_at: Optional[int] = None
         self._queued_hooks: List[tuple] = []
         self.previous_gradient = PreviousGradient()  # one replica's noise-scale estimate
-        self._prev_local = (0.0, 0.0, 0.0)
-        self._step_time = 0.0
-        self._last_count = 0
-        self._micro_left = 0
-        self._step_open = False
-        self._loss_sum = 0.0
-        self._t_step = 0.0
-        self._slept = 0.0        # --slow-compute's sleep in this step
-        self._own_compute = 0.0  # the last step's compute without that sleep
-        self._walk: Optional[WalkKey] = None
-        self._walk_cursor = -1
-        self._stop_requested = False
         # Set by a recovery: the loop iteration it cut short starts again from the state the
         # survivors agreed on (read once, by the loop's scope: _take_restart).
         self._restart = False
-        # The state the step (round) in flight may change, as of its start (rollback.py):
-        # a recovery undoes the uncommitted step with it. None once the step commits.
-        self._in_flight: Optional[StepCommit] = None
-        # The agreed state after a recovery inside job.step: the user's code after that
-        # call ran for a step given up, and is undone when the loop asks for the next batch.
-        self._undo_at_next_batch: Optional[StepCommit] = None
-        self._used_settings: Dict[str, Any] = {}  # the optimizer's, at the last update
-        self._part = None  # this rank's share of the step in flight (sampler.StepSlice)
-        self._round_nonfinite = 0  # a bounded-delay round's non-finite updates (control)
-        self._nonfinite_run = 0  # consecutive steps whose loss or gradient was not finite
         self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
-        self._finish_requested = False
         self.exit_code = 0
         self._sample_file = None
-        self._async_work = None     # a bounded-delay worker's batch in progress
-        self._async_totals: Dict[str, Any] = {}  # rank 0: bounded-delay rounds so far
         self._identical_after_resize: Optional[bool] = None
         if o.sample_log:
             os.makedirs(o.sample_log, exist_ok=True)
@@ -222,7 +194,7 @@ class Job(StepLoop, BoundedDelayRounds, Boundary,
         plane = setup_checks.data_plane(model, o, self.device, self.device_choice)
         self.optimizer = DistributedOptimizer(
             optimizer, model.named_parameters(), world=self.world, bucket_bytes=o.bucket_bytes,
-            extra_slots=self._control_layout().length, data_plane=plane,
+            extra_slots=self.steps.control_layout().length, data_plane=plane,
             buffers=model.buffers() if o.broadcast_buffers else ())
         group = optimizer.param_groups[0]
         hyper = HyperParams(batch_size=loader.batch_size, lr=reference_lr(group),
@@ -290,8 +262,8 @@ class Job(StepLoop, BoundedDelayRounds, Boundary,
     @property
     def local_batch_size(self) -> int:
         """This rank's share of the current step's global batch (0 for an empty share)."""
-        if self._part is not None:
-            return len(self._part.indices)
+        if self.steps.part is not None:
+            return len(self.steps.part.indices)
         return len(self._require_setup().sampler.peek(self.global_batch_size, self.rank,
                                                       self.size).indices)
 
@@ -334,6 +306,29 @@ class Job(StepLoop, BoundedDelayRounds, Boundary,
         update uses every param group's rate times it, while ``param_groups`` keep the rates
         your optimizer and scheduler set (1 before ``setup``)."""
         return self.state.rate_factor() if self.state is not None else 1.0
+
+    def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None,
+             scaler: Optional[Any] = None) -> bool:
+        """Backward of ``loss`` (the mean over the batch the loader yielded), then, after
+        the step's last micro-batch, the gradient allreduce (overlapped with backward) and
+        the optimizer step. Use it instead of ``loss.backward(); optimizer.step()``.
+
+        ``scaler``: a ``torch.amp.GradScaler`` for mixed precision (pass the unscaled
+        loss): backward runs on the scaled loss, the averaged gradients are unscaled before
+        the monitors, clipping and the update, and a step whose gradients overflowed is
+        the scaler's to skip (it lowers the scale), not a divergence.
+
+        Returns True when this call ended a step that committed (its last micro-batch; a
+        bounded-delay worker's update handed to the aggregator); False for a step's other
+        micro-batches and for a step that a peer's failure gave up (what the loop body does
+        after it is then undone at the next batch). ``if job.step(loss): scheduler.step()``
+        steps a scheduler once per step under ``--max-local-batch`` too."""
+        outcome = self.steps.step(loss, clip_grad_norm=clip_grad_norm, scaler=scaler)
+        if outcome.failure is not None:
+            # In the user's code no exception may go: the recovery runs here, and the loop's
+            # scope restarts the step when the loop asks for the next batch.
+            self._recover(outcome.failure, step_given_up=outcome.given_up)  # or ends the job
+        return outcome.committed
 
     def epochs(self, count: int) -> Iterator[int]:
         """Yield the epochs still to train (a resumed or joined worker starts where the job
@@ -405,13 +400,13 @@ class Job(StepLoop, BoundedDelayRounds, Boundary,
             # Only job.step, which runs in the user's code where no exception may go,
             # recovers in place; it leaves the restart for this scope to see.
             try:
-                count = yield from (self._async_round() if rounds else self._sync_step())
+                count = yield from (self.rounds.round() if rounds else self.steps.sync_step())
                 in_step = False
                 if not self._restart:
                     going_on = self._boundary(count, round_end=rounds)
             except world_mod.FAILURES as exc:
                 self._recover(exc, step_given_up=in_step)  # or ends the job
-            self._undo_user_code_of_given_up_step()
+            self.steps.undo_user_code_of_given_up_step()
             if self._take_restart():
                 continue
             if self.left:

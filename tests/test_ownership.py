@@ -14,16 +14,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Measured 2026-11-27: 41 attributes of the Job written from more than one file (most are
 # set in Job.__init__ and written again by one mixin; _in_flight, _step_open and _prev_grads
 # by four files). Repaid since: sink, _epoch_logged, _epoch_samples (loop/recording.py),
-# _prev_grads, _prev_count (adapt/monitors.PreviousGradient).
+# _prev_grads, _prev_count (adapt/monitors.PreviousGradient); the step in flight, its
+# timings, control values and micro-batch counters, 23 of them (loop/steps.StepRunner,
+# loop/rounds.BoundedDelayRounds).
 SHARED = {
-    "_async_work", "_finish_requested", "_holds_state",
-    "_identical_after_resize", "_in_flight", "_last_count", "_loss_sum", "_micro_left",
-    "_nonfinite_run", "_own_compute", "_part", "_prev_local",
-    "_queued_hooks", "_requeue", "_restart", "_resumed_at", "_round_nonfinite", "_slept",
-    "_step_open", "_step_time", "_stop_requested", "_t_step", "_undo_at_next_batch",
-    "_used_settings", "_walk", "_walk_cursor", "allocator", "elastic", "exit_code",
-    "finished_by_stop_file", "joining", "last_loss", "last_times", "left", "monitored",
-    "stopped",
+    "_holds_state", "_identical_after_resize", "_queued_hooks", "_requeue", "_restart",
+    "_resumed_at", "allocator", "elastic", "exit_code", "finished_by_stop_file", "joining",
+    "left", "stopped",
+}
+
+# The Job's collaborators in loop/: each owns the attributes its class assigns on ``self``;
+# no other module may assign them (``job.steps.open = False`` from a recovery, say).
+COLLABORATORS = {
+    "hpcadapt/loop/steps.py": "StepRunner",
+    "hpcadapt/loop/rounds.py": "BoundedDelayRounds",
+    "hpcadapt/loop/recording.py": "Recorder",
 }
 
 
@@ -89,6 +94,52 @@ def test_no_new_attribute_gets_a_second_writer_and_the_debt_only_shrinks():
     assert not new, f"written from more than one module (give each value one owner): {new}"
     repaid = sorted(SHARED - shared)
     assert not repaid, f"one writer now (strike them from SHARED): {repaid}"
+
+
+def _class_named(tree, name):
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def foreign_writes(tree, owned):
+    """(line, attribute) of each assignment to ``<something>.<a>.<attribute>`` or
+    ``<name>.<attribute>`` other than ``self.<attribute>``, for attributes in ``owned``:
+    a write into another object's state."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for sub in ast.walk(target):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
+                        and sub.attr in owned
+                        and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")):
+                    yield sub.lineno, sub.attr
+
+
+def test_no_module_writes_a_collaborators_state():
+    """A collaborator's attributes are assigned in its own class only: others call it."""
+    trees = {os.path.relpath(p, ROOT): ast.parse(open(p, encoding="utf-8").read())
+             for p in _job_files()}
+    found = []
+    for path, cls in COLLABORATORS.items():
+        owned = set(self_writes(_class_named(trees[path], cls)))
+        assert owned, f"{cls} in {path} assigns nothing: is the table current?"
+        for other, tree in trees.items():
+            if other == path:
+                continue
+            found += [f"{other}:{line}: {attr} (owned by {cls})"
+                      for line, attr in foreign_writes(tree, owned)]
+    assert not found, "written from outside its owner: " + "; ".join(found)
+
+
+def test_a_write_into_another_objects_state_is_seen():
+    code = ("class B:\n def f(self, job):\n  self.open = 1\n  job.steps.open = False\n"
+            "  runner.part += 1\n  x = job.steps.open\n")
+    assert sorted(foreign_writes(ast.parse(code), {"open", "part"})) == [(4, "open"),
+                                                                           (5, "part")]
 
 
 def test_the_reader_sees_assignments_of_every_kind():

@@ -33,15 +33,15 @@ class Boundary:
         """Between two steps, on every rank: metrics, stop, policies, resizes. Returns
         whether training goes on in this epoch."""
         st = self.state
-        self.recorder.count_step(count, self.last_loss)
+        self.recorder.count_step(count, self.steps.last_loss)
         self._log_step(count)
-        if self._stop_requested:
+        if self.steps.stop_requested:
             self._stop_for_signal()
             return False
-        if self._nonfinite_run >= self.options.max_nonfinite_steps:
+        if self.steps.nonfinite_run >= self.options.max_nonfinite_steps:
             self._stop_for_divergence()
             return False
-        if self._finish_requested:
+        if self.steps.finish_requested:
             self.finished_by_stop_file = True
             if self.world.rank == 0:
                 log.info("stop file %s found at step %d: training ends here",
@@ -54,7 +54,7 @@ class Boundary:
         closed = max(1, -(-count // st.hyper.batch_size))
         # (not while the loss is non-finite: the last good save is not written over)
         if every and self.options.checkpoint and self.world.rank == 0 \
-                and st.step // every > (st.step - closed) // every and not self._nonfinite_run:
+                and st.step // every > (st.step - closed) // every and not self.steps.nonfinite_run:
             self._save_periodically()
         # A recovery inside a hook or the grow's poll ends the boundary at once: the other
         # survivors may already be in the next step, which every rank then starts afresh
@@ -64,7 +64,7 @@ class Boundary:
             self._hook(name, **extra)
             if self.left:
                 return False
-        if self.engine.active and (round_end or self.engine.due(st.step, self.monitored)):
+        if self.engine.active and (round_end or self.engine.due(st.step, self.steps.monitored)):
             self._hook("after_step")
         if not self.left:
             self._poll_elastic()
@@ -236,3 +236,14 @@ class Boundary:
                                        cluster_version=self.world.cluster_version,
                                        switch_s=time.perf_counter() - t0,
                                        replicas_identical=identical))
+
+    def _apply_momentum(self, momentum: float) -> None:
+        applied = False
+        for group in self.optimizer.param_groups:
+            if "momentum" in group:
+                group["momentum"] = momentum
+                applied = True
+        if not applied and self.world.rank == 0:
+            log.warning("momentum %.3g not applied: the optimizer (%s) has no SGD momentum "
+                        "(Adam's betas are left as they are)", momentum,
+                        type(self.optimizer.optimizer).__name__)

@@ -21,7 +21,6 @@ from hpcadapt.base.metrics import FailureRecord, RecoveryRecord
 from hpcadapt.base.preemption import EXIT_REQUEUE
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.world import CommView
-from hpcadapt.state.rollback import StepCommit
 
 __all__ = ["FailureHandling"]
 
@@ -142,15 +141,12 @@ class FailureHandling:
                                              rank=agreement.dead[0] if agreement.dead else -1,
                                              cause="dead"))
         dead_pids = [earlier.pids[d] for d in agreement.dead]
-        if self._in_flight is not None:
-            # The step in flight is given up: this rank goes back to its last commit before
-            # the survivors compare states (the one furthest on is then everyone's).
-            self._in_flight.restore(self.extra, self.optimizer.optimizer, self.model)
-            self._in_flight = None
+        # The step in flight is given up: this rank goes back to its last commit before
+        # the survivors compare states (the one furthest on is then everyone's).
+        rolled_from = self.steps.roll_back()
         if self.elastic is not None and self.elastic.growing:
             # Joiners of a pending grow would connect to the old world: start again later.
             self._record_resize(self.elastic.abandon("a worker died"))
-        rolled_from = self.state.step
 
         with world_mod.Watchdog(self.options.peer_timeout, "the recovery", expire):
             try:
@@ -181,12 +177,8 @@ class FailureHandling:
                 # to shrink now (the step in flight was given up already).
                 return self._recover(again, step_given_up=step_given_up,
                                      earlier=earlier.then(this_world))
-        self._walk = None
         self._restart = True
-        self._step_open = False
-        if step_given_up:
-            self._undo_at_next_batch = StepCommit.take(self.state.step, self.extra,
-                                                       self.optimizer.optimizer, self.model)
+        self.steps.recovered(given_up=step_given_up)
         recovered = time.time()
         phases = {"agree_s": t_agreed - t0, "form_world_s": t_formed - t_agreed,
                   "survey_s": t_surveyed - t_formed,

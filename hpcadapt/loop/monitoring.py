@@ -61,7 +61,8 @@ class Monitoring:
     def _update_monitors(self, stats, global_count: int) -> None:
         if self.world.size >= 2:
             # Ranks whose share was empty (a short last batch) carry no gradient sample.
-            replicas = int(np.count_nonzero(self.last_times.samples)) if self.last_times \
+            replicas = int(np.count_nonzero(self.steps.last_times.samples)) \
+                if self.steps.last_times \
                 is not None else self.world.size
             if replicas < 2:
                 return
@@ -75,29 +76,29 @@ class Monitoring:
             log.warning("step %d: non-finite gradient statistics skipped (|G|^2=%s, trS=%s)",
                         self.state.step, est.grad_sq, est.trace_sigma)
 
-    def _keep_previous_gradients(self) -> None:
+    def _keep_previous_gradients(self, global_count: int) -> None:
         """At world size 1 the next monitored step needs this step's gradient."""
         st = self.state
         if self.world.size == 1 and self.monitor_cfg.enabled and \
                 (st.step + 2) % self.monitor_cfg.interval == 0:
-            self.previous_gradient.keep(self.optimizer.flat_gradients(),
-                                        self._part.global_count)
+            self.previous_gradient.keep(self.optimizer.flat_gradients(), global_count)
         elif self.world.size > 1:
             self.previous_gradient.forget()
 
     def _step_monitors(self) -> Dict[str, Any]:
         gns = self.state.gns
         out: Dict[str, Any] = {}
-        if self.monitored and gns.last is not None:
+        if self.steps.monitored and gns.last is not None:
             lo, hi = gns.interval()
             out.update(noise_scale=gns.noise_scale, grad_sq=gns.grad_sq,
                        trace_sigma=gns.trace_sigma, noise_scale_lo=lo, noise_scale_hi=hi,
                        grad_variance=gns.trace_sigma / self.state.hyper.batch_size,
                        grad_snr=gns.snr(self.state.hyper.batch_size))
-        if self.last_times is not None:
-            out.update(rank_step_time=self.last_times.step_time.round(6).tolist(),
-                       rank_compute_time=self.last_times.compute_time.round(6).tolist(),
-                       rank_wait_time=self.last_times.wait_time.round(6).tolist())
+        times = self.steps.last_times
+        if times is not None:
+            out.update(rank_step_time=times.step_time.round(6).tolist(),
+                       rank_compute_time=times.compute_time.round(6).tolist(),
+                       rank_wait_time=times.wait_time.round(6).tolist())
         return out
 
     def _node_count(self) -> int:
@@ -113,15 +114,17 @@ class Monitoring:
         """What rank 0 knows at this step boundary, for the policies."""
         from hpcadapt.policies.base import MetricsSnapshot
 
-        st, t, h = self.state, self.last_times, self.state.hyper
+        steps = self.steps
+        st, t, h = self.state, steps.last_times, self.state.hyper
         lo, hi = st.gns.interval()
         return MetricsSnapshot(
             step=st.step, epoch=st.epoch, world_size=self.world.size,
             batch_size=h.batch_size, lr=h.lr, momentum=h.momentum,
-            base_lr=h.base_lr, base_batch_size=h.base_batch_size, loss=self.last_loss,
-            samples_per_s=(self._last_count / self._step_time) if self._step_time else float("nan"),
+            base_lr=h.base_lr, base_batch_size=h.base_batch_size, loss=steps.last_loss,
+            samples_per_s=(steps.last_count / steps.step_time) if steps.step_time
+            else float("nan"),
             epoch_progress=st.sampler.cursor / st.sampler.num_samples,
-            test_accuracy=st.last_accuracy, monitored=self.monitored,
+            test_accuracy=st.last_accuracy, monitored=steps.monitored,
             noise_scale=st.gns.noise_scale, grad_sq=st.gns.grad_sq,
             trace_sigma=st.gns.trace_sigma,
             grad_variance=st.gns.trace_sigma / h.batch_size,
@@ -131,7 +134,7 @@ class Monitoring:
             compute_time=tuple(t.compute_time.tolist()) if t else (),
             wait_time=tuple(t.wait_time.tolist()) if t else (),
             rank_samples=tuple(t.samples.tolist()) if t else (),
-            max_workers=self._slot_ranks() if self.elastic is not None else self.world.size,
+            max_workers=steps.slot_ranks() if self.elastic is not None else self.world.size,
             min_workers=self.options.min_workers, can_resize=self.elastic is not None,
             max_local_batch=self.options.max_local_batch,
             cluster_version=self.world.cluster_version,
@@ -140,17 +143,18 @@ class Monitoring:
 
     def _log_step(self, count: int) -> None:
         st = self.state
-        used = self._used_settings
+        steps = self.steps
+        used = steps.used_settings
         self.recorder.write(StepRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
                                    batch_size=st.hyper.batch_size, lr=used["lr"],
-                                   momentum=used["momentum"], loss=self.last_loss,
-                                   samples_per_s=count / self._step_time if self._step_time else 0.0,
-                                   step_time_s=self._step_time,
+                                   momentum=used["momentum"], loss=steps.last_loss,
+                                   samples_per_s=count / steps.step_time if steps.step_time else 0.0,
+                                   step_time_s=steps.step_time,
                                    cluster_version=self.world.cluster_version,
                                    monitors=self._step_monitors(), betas=used["betas"],
                                    lr_groups=used["lr_groups"]))
         if self.options.progress and self.world.rank == 0 and st.step % 20 == 0:
-            sys.stderr.write(f"\repoch {st.epoch} step {st.step} loss {self.last_loss:.4f} "
+            sys.stderr.write(f"\repoch {st.epoch} step {st.step} loss {steps.last_loss:.4f} "
                              f"batch {st.hyper.batch_size} on {self.world.size} workers   ")
 
     def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: Any) -> None:

@@ -405,7 +405,7 @@ class MembershipChanges:
                       decided_at: float = float("nan")) -> None:
         """Every rank of the new world: rebuild what depends on the size, record the resize,
         and queue the policies' ``on_resize`` for the next boundary."""
-        self.optimizer.set_extra_slots(self._control_layout().length)
+        self.optimizer.set_extra_slots(self.steps.control_layout().length)
         self.optimizer.ensure_current()
         self._identical_after_resize = None
         # Under model averaging the replicas differ by design: nothing to compare.
@@ -414,9 +414,8 @@ class MembershipChanges:
             if not identical and self.world.rank == 0:
                 log.error("replicas differ after the resize to %d workers", self.world.size)
             self._identical_after_resize = identical
-        self._prev_local = (0.0, 0.0, 0.0)
+        self.steps.resized()
         self.previous_gradient.forget()
-        self.last_times = None
         now = time.perf_counter()
         outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
                           decision_to_first_step_s=now - decided_at)

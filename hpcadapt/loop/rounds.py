@@ -1,18 +1,17 @@
 """Bounded-delay rounds (``--strategy bounded-delay``): rank 0 aggregates, the other ranks
 train on the batches it hands them; a round commits as ``ceil(samples / B)`` steps.
 
-A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
-``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
+``BoundedDelayRounds`` owns the rounds' totals; the step in flight, its control values and
+its commit are the step runner's (``loop/steps.py``), which it drives through its methods."""
 
 from __future__ import annotations
 
 import logging
 
 import json
-import math
 import os
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 import torch
@@ -20,9 +19,9 @@ import torch
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.collectives import ReduceOp
 from hpcadapt.data.loader import split_micro
-from hpcadapt.state.training import optimizer_settings, rates_scaled
-
 from hpcadapt.base.metrics import BoundedDelayRecord
+from hpcadapt.state.training import rates_scaled
+
 __all__ = ["BoundedDelayRounds"]
 
 log = logging.getLogger("hpcadapt.job")
@@ -33,7 +32,12 @@ class BoundedDelayRounds:
     ranks train on the batches it hands them; a round commits as ``ceil(samples / B)``
     steps."""
 
-    def _async_round(self) -> Iterator[Any]:
+    def __init__(self, job, steps):
+        self.job = job
+        self.steps = steps
+        self.totals: Dict[str, Any] = {}  # rank 0: the rounds so far, for the summary
+
+    def round(self) -> Iterator[Any]:
         """One round of bounded-delay aggregation: rank 0 aggregates, the other ranks yield
         the batches it hands them. Every rank starts from rank 0's model and ends with it;
         the round's control values (loss, per-rank times, stop votes) then travel in one
@@ -44,104 +48,80 @@ class BoundedDelayRounds:
         from hpcadapt.comm.collectives import MPICommunicator
         from hpcadapt.parallel.broadcasts import broadcast_parameters
 
-        st, o = self.state, self.options
+        job, steps = self.job, self.steps
+        st, o, world = job.state, job.options, job.world
         strategy, batch = st.strategy, st.hyper.batch_size
-        self._t_step = time.perf_counter()
-        self.monitored = False
-        self._follow_ramp()
-        self._keep_in_flight(batches=2)  # a worker's batches in a round: the body runs often
+        steps.begin_round()
         count = min(strategy.round_steps * batch, st.sampler.remaining)
         if o.max_steps is not None:  # the round ends where --max-steps does
             count = min(count, max(1, o.max_steps - st.step) * batch)
-        steps = -(-count // batch)
-        flat = FlatModel(self.model)
-        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        n_steps = -(-count // batch)
+        flat = FlatModel(job.model)
+        tensors = list(job.model.parameters()) + list(job.model.buffers())
         report = None
         try:
-            broadcast_parameters(tensors, root=0, world=self.world)  # version 0 everywhere
-            if self.world.rank == 0:
+            broadcast_parameters(tensors, root=0, world=world)  # version 0 everywhere
+            if world.rank == 0:
                 indices = st.sampler.slice_at(st.sampler.cursor, count, 0, 1).indices
                 step0 = st.step
                 report = Aggregator(
-                    self.world, flat, indices, global_batch=batch,
+                    world, flat, indices, global_batch=batch,
                     max_delay=strategy.max_delay,
-                    apply=lambda n, slot: self._apply_async_update(n, batch, step0 + slot)).run()
+                    apply=lambda n, slot: self._apply_update(n, batch, step0 + slot)).run()
             else:
-                worker = AsyncWorker(self.world, flat)
+                worker = AsyncWorker(world, flat)
                 while True:
                     work = worker.next_batch()
                     if work is None:
                         break
-                    yield from self._async_batch(worker, work)
+                    yield from self._worker_batch(worker, work)
             control = self._round_control(report)
-            MPICommunicator(self.world).allreduce(control, ReduceOp.SUM)
-            broadcast_parameters(tensors, root=0, world=self.world)  # rank 0's model for all
+            MPICommunicator(world).allreduce(control, ReduceOp.SUM)
+            broadcast_parameters(tensors, root=0, world=world)  # rank 0's model for all
         except world_mod.FAILURES:
-            self._step_open = False
+            steps.close_step()
             raise  # the loop's recovery scope: the round is trained again from the commit
         step0 = st.step
-        with rates_scaled(self.optimizer.optimizer, st.rate_factor()):
-            self._used_settings = optimizer_settings(self.optimizer.optimizer)
-        st.sampler.advance(count)
-        st.step += steps
-        for _ in range(steps):   # a round's steps hold equal shares of its samples
-            st.count_gain(count / steps, self.engine.lr_rule.rule == "adascale")
-        self._in_flight = None  # committed
-        self._read_control(control, count)
-        # Only finite updates were applied; the guard counts updates, not rounds: a round
-        # that applied none adds its non-finite updates to the run, one that applied any
-        # ends it.
-        self._nonfinite_run = 0 if math.isfinite(self.last_loss) else \
-            self._nonfinite_run + max(1, self._round_nonfinite)
-        t_end = time.perf_counter()
-        self._step_time = t_end - self._t_step
-        self.world.watch.note_step(self._step_time / max(steps, 1))
-        self._last_count = count
+        steps.commit_round(count, n_steps, control)
         if report is not None:
-            self._record_round(report, step0, steps)
+            self._record_round(report, step0, n_steps)
         return count
 
-    def _async_batch(self, worker, work) -> Iterator[Any]:
+    def _worker_batch(self, worker, work) -> Iterator[Any]:
         """A worker's batch of a round: the (micro-)batches to yield; ``step(loss)`` after
         the last sends the gradient to the aggregator."""
-        o = self.options
-        micro = split_micro(work.indices, o.max_local_batch)
-        for p in self.model.parameters():
+        job = self.job
+        micro = split_micro(work.indices, job.options.max_local_batch)
+        for p in job.model.parameters():
             p.grad = None
-        self._async_work = (worker, work, time.perf_counter())
+        t0 = time.perf_counter()
+
+        def send(clip_grad_norm: Optional[float], loss_sum: float) -> None:
+            if clip_grad_norm is not None:  # each update's gradient, as each step's
+                torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
+            compute = self.steps.note_compute(time.perf_counter() - t0)
+            worker.send_update(work.batch_id, len(work.indices), loss_sum, compute)
+
         # --slow-compute: the rank's straggling, as in synchronous steps
-        self._slept = self._slow_down(o.slow_compute, self._own_compute)
-        self._loss_sum = 0.0
-        self._step_open = True
-        yield from self._yield_micro(micro, len(work.indices), self.loader.load)
-        self._async_work = None
+        self.steps.open_step(send)
+        yield from self.steps.yield_micro(micro, len(work.indices), job.loader.load)
 
-    def _send_async_update(self, clip_grad_norm: Optional[float]) -> None:
-        worker, work, t0 = self._async_work
-        if clip_grad_norm is not None:  # each update's gradient, as each step's
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_grad_norm)
-        compute = time.perf_counter() - t0
-        self._own_compute = max(0.0, compute - self._slept)
-        try:
-            worker.send_update(work.batch_id, len(work.indices), self._loss_sum, compute)
-        finally:
-            self._step_open = False
-
-    def _apply_async_update(self, samples: int, batch: int, step: int) -> None:
+    def _apply_update(self, samples: int, batch: int, step: int) -> None:
         """The aggregator's application of ``samples`` samples' aggregated gradient (set
         in ``.grad``) as part of global batch ``step``: the job's optimizer at that step's
         rate (a ramp moves it within a round) scaled by samples / batch."""
-        inner = self.optimizer.optimizer
-        h = self.state.hyper
+        job = self.job
+        inner = job.optimizer.optimizer
+        h = job.state.hyper
         rate = h.lr_at(step) if h.ramp is not None else h.lr
-        with rates_scaled(inner, rate / self.state.origin["lr"] * samples / batch):
+        with rates_scaled(inner, rate / job.state.origin["lr"] * samples / batch):
             inner.step()
 
     def _round_control(self, report) -> np.ndarray:
         """The control slots of a round: rank 0 fills the loss and each worker's mean time
         per update (its own compute slot stays 0: it trained nothing), every rank its stop
         signal, rank 0 the stop file."""
-        layout = self._control_layout()
+        layout = self.steps.control_layout()
         values = layout.zeros()
         if report is not None:
             # a round in which every update was non-finite reads as a non-finite loss
@@ -154,22 +134,22 @@ class BoundedDelayRounds:
                                 wait_s=max(0.0, per_update - compute),
                                 samples=report.trained.get(w, 0))
             values[layout.slot(layout.STEP, 0)] = report.round_s / max(report.applications, 1)
-            stop_file = self.options.stop_file
+            stop_file = self.job.options.stop_file
             values[layout.STOP_FILE] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
             values[layout.NONFINITE_UPDATES] = report.nonfinite_updates
-        values[layout.STOP_SIGNAL] = 1.0 if self.stop_signals is not None and \
-            self.stop_signals.received else 0.0
+        values[layout.STOP_SIGNAL] = 1.0 if self.steps.stop_signal_received() else 0.0
         return values
 
     def _record_round(self, report, step0: int, steps: int) -> None:
         """Rank 0: the round's line in the metrics (updates applied and dropped, delays),
         the job's totals, and the samples each applied update trained on."""
-        st = self.state
+        job = self.job
+        st, world = job.state, job.world
         if report.nonfinite_updates:
             log.warning("steps %d-%d: %d update(s) with a non-finite loss or gradient skipped "
                         "(their samples count as used)", step0, st.step - 1,
                         report.nonfinite_updates)
-        totals = self._async_totals
+        totals = self.totals
         for key in ("applied_updates", "dropped_updates", "nonfinite_updates", "applications",
                     "pulls"):
             totals[key] = totals.get(key, 0) + getattr(report, key)
@@ -178,12 +158,12 @@ class BoundedDelayRounds:
             hist = totals.setdefault(name, {})
             for delay, n in getattr(report, name).items():
                 hist[str(delay)] = hist.get(str(delay), 0) + n
-        self.recorder.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
-                                           steps=steps, max_delay=st.strategy.max_delay,
-                                           world_size=self.world.size, **report.to_dict()))
-        if self._sample_file is not None:
+        job.recorder.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
+                                              steps=steps, max_delay=st.strategy.max_delay,
+                                              world_size=world.size, **report.to_dict()))
+        if job._sample_file is not None:
             for slot, worker, indices in report.applied:
-                self._sample_file.write(json.dumps({
+                job._sample_file.write(json.dumps({
                     "epoch": st.epoch, "step": step0 + slot, "rank": worker,
-                    "size": self.world.size, "version": self.world.cluster_version,
+                    "size": world.size, "version": world.cluster_version,
                     "indices": indices.tolist()}) + "\n")

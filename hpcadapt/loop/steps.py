@@ -1,8 +1,12 @@
-"""The synchronous step: a step's (micro-)batches, ``job.step``, the gradient exchange with the
-control values, the update and its commit.
+"""The step runner: one synchronous step's (micro-)batches, ``job.step``, the gradient
+exchange with the control values, the update and its commit.
 
-A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
-``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
+``StepRunner`` owns the step in flight (its share, micro-batch counters, timings, the state
+a recovery undoes) and what the last committed step left for the boundary (loss, per-rank
+times, stop votes, the optimizer's settings): no other module writes these. It reads the
+job's parts (world, state, optimizer, options) and never writes the job: a failure in the
+exchange comes back as a ``StepOutcome`` for ``Job.step`` to recover from, and one in the
+loop's part of a step is raised to the loop's recovery scope."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ import json
 import math
 import os
 import time
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -21,200 +26,301 @@ from hpcadapt.base import faults
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.comm import world as world_mod
 from hpcadapt.data.loader import WalkKey, split_micro
-from hpcadapt.adapt.control import ControlLayout
+from hpcadapt.adapt.control import ControlLayout, StepTimes
 from hpcadapt.parallel.optimizer import GradientStats
 from hpcadapt.state.rollback import StepCommit
 from hpcadapt.state.training import optimizer_settings, rates_scaled
 
-__all__ = ["StepLoop"]
+__all__ = ["StepOutcome", "StepRunner"]
 
 log = logging.getLogger("hpcadapt.job")
 
 
-class StepLoop:
-    """The synchronous step: a step's (micro-)batches, ``job.step``, the gradient
-    exchange with the control values, the update and its commit."""
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one ``job.step`` call ended in: ``committed`` (the step's update applied, or a
+    bounded-delay worker's update sent); ``failure``, a peer's failure to recover from
+    (``given_up``: it cut the step short, so the loop body's work after this call is undone
+    at the next batch; a failure after the commit, in local SGD's averaging, keeps it)."""
 
-    def _keep_in_flight(self, batches: int) -> None:
+    committed: bool
+    failure: Optional[BaseException] = None
+    given_up: bool = False
+
+
+class StepRunner:
+    """The synchronous step and what it leaves for the boundary; the bounded-delay rounds
+    (``loop/rounds.py``) use its step-in-flight, control and commit parts."""
+
+    def __init__(self, job):
+        self.job = job
+        self.open = False            # a step (worker batch) whose job.step calls are due
+        # The state the step (round) in flight may change, as of its start (rollback.py):
+        # a recovery undoes the uncommitted step with it. None once the step commits.
+        self.in_flight: Optional[StepCommit] = None
+        # The agreed state after a recovery inside job.step: the user's code after that
+        # call ran for a step given up, and is undone when the loop asks for the next batch.
+        self.undo_at_next_batch: Optional[StepCommit] = None
+        self.part = None             # this rank's share of the step in flight (StepSlice)
+        self.micro_left = 0
+        self._micro_share = 1.0
+        self._micro_n = 0
+        self.loss_sum = 0.0
+        self._t_start = 0.0
+        self._slept = 0.0            # --slow-compute's sleep in this step
+        self._own_compute = 0.0      # the last step's compute without that sleep
+        self._prev_local = (0.0, 0.0, 0.0)  # this rank's last (step, compute, wait) times
+        self.step_time = 0.0
+        self.last_count = 0          # the last step's (round's) global samples
+        self.nonfinite_run = 0       # consecutive steps whose loss or gradient was not finite
+        self.used_settings: dict = {}  # the optimizer's, at the last update
+        self.monitored = False       # whether this step measures the gradient statistics
+        self.last_loss = float("nan")
+        self.last_times: Optional[StepTimes] = None
+        self.stop_requested = False  # a stop signal, agreed with the last step's values
+        self.finish_requested = False  # the stop file, seen by rank 0
+        self._walk: Optional[WalkKey] = None
+        self._walk_cursor = -1
+        self._send: Optional[Callable[[Optional[float], float], None]] = None
+
+    # -- the step in flight, for a recovery ----------------------------------------------
+    def keep_in_flight(self, batches: int) -> None:
         """At a step's (round's) start: what it may change, for a recovery to undo. The
         user's state and the param groups only when the loop body runs more than once
         before the step commits (micro-batches, a round's batches): with one batch, the
         body after the failed ``job.step`` has not run when the recovery restores, and
-        ``_undo_at_next_batch`` covers it (no copy of an EMA model every step)."""
-        if self._recoverable:
-            self._in_flight = StepCommit.take(self.state.step, self.extra,
-                                              self.optimizer.optimizer, self.model,
-                                              user=batches > 1)
+        ``undo_at_next_batch`` covers it (no copy of an EMA model every step)."""
+        job = self.job
+        if job._recoverable:
+            self.in_flight = StepCommit.take(job.state.step, job.extra,
+                                             job.optimizer.optimizer, job.model,
+                                             user=batches > 1)
 
-    def _undo_user_code_of_given_up_step(self) -> None:
+    def roll_back(self) -> int:
+        """A recovery: the step in flight is given up, this rank goes back to its last
+        commit (before the survivors compare states). Returns the step it was at."""
+        job = self.job
+        if self.in_flight is not None:
+            self.in_flight.restore(job.extra, job.optimizer.optimizer, job.model)
+            self.in_flight = None
+        return job.state.step
+
+    def recovered(self, given_up: bool) -> None:
+        """After a recovery, on the agreed state: the next step starts afresh (its loader
+        walk too); ``given_up``: the loop body after the failed ``job.step`` ran for a step
+        given up, so it is undone at the next batch (``undo_user_code_of_given_up_step``)."""
+        job = self.job
+        self._walk = None
+        self.open = False
+        if given_up:
+            self.undo_at_next_batch = StepCommit.take(job.state.step, job.extra,
+                                                      job.optimizer.optimizer, job.model)
+
+    def undo_user_code_of_given_up_step(self) -> None:
         """The loop's next batch after a recovery inside ``job.step``: whatever the user's
         code after that call changed in the registered state (scheduler, EMA, counters,
         rates, buffers, random generator) goes back to the state the survivors agreed on,
         so that each committed step reaches the user's code once."""
-        if self._undo_at_next_batch is not None:
-            self._undo_at_next_batch.restore(self.extra, self.optimizer.optimizer, self.model)
-            self._undo_at_next_batch = None
+        if self.undo_at_next_batch is not None:
+            job = self.job
+            self.undo_at_next_batch.restore(job.extra, job.optimizer.optimizer, job.model)
+            self.undo_at_next_batch = None
 
-    def _sync_step(self) -> Iterator[Any]:
-        """One synchronous step's (micro-)batches; returns the step's global sample count."""
+    def resized(self) -> None:
+        """After a resize: the per-rank times of the old world mean nothing in the new."""
+        self._prev_local = (0.0, 0.0, 0.0)
+        self.last_times = None
+
+    # -- the synchronous step ------------------------------------------------------------
+    def sync_step(self) -> Iterator[Any]:
+        """One synchronous step's (micro-)batches; returns the step's global sample count.
+        A peer's failure in the exchange of an empty share goes to the loop's scope."""
         part, micro = self._begin_step()
         if not micro:
             self._stage_control()
-            self._finish_step()
-        yield from self._yield_micro(micro, len(part.indices), self.loader.next_batch)
+            outcome = self._finish_step()
+            if outcome.failure is not None:
+                raise outcome.failure
+        yield from self.yield_micro(micro, len(part.indices), self.job.loader.next_batch)
         return part.global_count
 
-    def _yield_micro(self, micro, total: int, load) -> Iterator[Any]:
+    def yield_micro(self, micro, total: int, load) -> Iterator[Any]:
         """The micro-batches of one share of ``total`` samples, each loaded by ``load``;
         ``job.step(loss)`` must come once after each."""
         for i, indices in enumerate(micro):
             batch = load(indices)
-            self._micro_left = len(micro) - i
+            self.micro_left = len(micro) - i
             self._micro_share = len(indices) / total
             self._micro_n = len(indices)
             yield batch
-            if self._micro_left == len(micro) - i:
+            if self.micro_left == len(micro) - i:
                 raise ConfigurationError("call job.step(loss) once for every batch the "
                                          "loader yields")
 
-    def _follow_ramp(self) -> None:
+    def follow_ramp(self) -> None:
         """The reference rate of this step (a batch change's ramp moves it); the update
         applies it on top of the user's rates (``rates_scaled``)."""
-        h = self.state.hyper
+        st = self.job.state
+        h = st.hyper
         if h.ramp is not None:
-            h.lr = h.lr_at(self.state.step)
-            if self.state.step - h.ramp[0] >= h.ramp[1]:
+            h.lr = h.lr_at(st.step)
+            if st.step - h.ramp[0] >= h.ramp[1]:
                 h.ramp = None
 
+    def begin_round(self) -> None:
+        """A bounded-delay round's start: its clock, the ramp, the state it may change (a
+        worker's batches: the loop body runs often), no gradient statistics."""
+        self._t_start = time.perf_counter()
+        self.monitored = False
+        self.follow_ramp()
+        self.keep_in_flight(batches=2)
+
     def _begin_step(self):
-        st = self.state
-        o = self.options
-        self._t_step = time.perf_counter()
-        self._follow_ramp()
-        part = st.sampler.peek(st.hyper.batch_size, self.world.rank, self.world.size)
+        job = self.job
+        st = job.state
+        o = job.options
+        world = job.world
+        self._t_start = time.perf_counter()
+        self.follow_ramp()
+        part = st.sampler.peek(st.hyper.batch_size, world.rank, world.size)
         micro = split_micro(part.indices, o.max_local_batch)
         # before a loader restart (its workers' seeds) and forward (buffers) use the RNG
-        self._keep_in_flight(len(micro))
-        key = WalkKey(st.epoch, st.hyper.batch_size, self.world.rank, self.world.size,
+        self.keep_in_flight(len(micro))
+        key = WalkKey(st.epoch, st.hyper.batch_size, world.rank, world.size,
                       o.max_local_batch)
         if key != self._walk or self._walk_cursor != st.sampler.cursor:
-            self.loader.restart(key, st.sampler.cursor)
+            job.loader.restart(key, st.sampler.cursor)
             self._walk = key
         self._walk_cursor = st.sampler.cursor + part.global_count
-        self._part = part
-        opt = self.optimizer
-        self.monitored = self.monitor_cfg.enabled and (st.step + 1) % self.monitor_cfg.interval == 0
-        opt.track_grad_norms = self.monitored and self.world.size > 1
+        self.part = part
+        opt = job.optimizer
+        cfg = job.monitor_cfg
+        self.monitored = cfg.enabled and (st.step + 1) % cfg.interval == 0
+        opt.track_grad_norms = self.monitored and world.size > 1
         opt.set_local_weight(part.weight)
-        opt.set_extra_slots(self._control_layout().length)
+        opt.set_extra_slots(self.control_layout().length)
         opt.zero_grad()
         # --slow-compute: before forward, (F - 1) x the last step's own compute (the sleep
         # left out of it, or each step's sleep would feed the next one's)
-        self._slept = self._slow_down(o.slow_compute, self._own_compute)
+        self.open_step()
         opt.set_strategy(st.strategy)
         opt.set_topology(st.topology, o.ranks_per_node)
         opt.begin_step(st.step)
-        self._loss_sum = 0.0
-        self._step_open = True
-        if self._sample_file is not None:
+        sample_file = job._sample_file
+        if sample_file is not None:
             # A step given up by a recovery is logged again when it is redone, with the
             # new world's cluster version: per step, the records of the highest version
             # are the ones that trained.
-            self._sample_file.write(json.dumps({
-                "epoch": st.epoch, "step": st.step, "rank": self.world.rank,
-                "size": self.world.size, "version": self.world.cluster_version,
+            sample_file.write(json.dumps({
+                "epoch": st.epoch, "step": st.step, "rank": world.rank,
+                "size": world.size, "version": world.cluster_version,
                 "indices": part.indices.tolist()}) + "\n")
         return part, micro
 
+    def open_step(self, send: Optional[Callable[[Optional[float], float], None]] = None
+                  ) -> None:
+        """A step's (a bounded-delay worker's batch's) ``job.step`` calls are due: its
+        --slow-compute sleep, its loss sum from zero. ``send(clip_grad_norm, loss_sum)``:
+        a bounded-delay worker's way to hand the update on after the last micro-batch."""
+        self._slept = self._slow_down(self.job.options.slow_compute, self._own_compute)
+        self.loss_sum = 0.0
+        self._send = send
+        self.open = True
+
+    def close_step(self) -> None:
+        self.open = False
+        self._send = None
+
+    def note_compute(self, seconds: float) -> float:
+        """A bounded-delay worker's compute for its batch (the --slow-compute sleep left out,
+        as each synchronous step's); returns it with the sleep."""
+        self._own_compute = max(0.0, seconds - self._slept)
+        return seconds
+
     def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None,
-             scaler: Optional[Any] = None) -> bool:
-        """Backward of ``loss`` (the mean over the batch the loader yielded), then, after
-        the step's last micro-batch, the gradient allreduce (overlapped with backward) and
-        the optimizer step. Use it instead of ``loss.backward(); optimizer.step()``.
-
-        ``scaler``: a ``torch.amp.GradScaler`` for mixed precision (pass the unscaled
-        loss): backward runs on the scaled loss, the averaged gradients are unscaled before
-        the monitors, clipping and the update, and a step whose gradients overflowed is
-        the scaler's to skip (it lowers the scale), not a divergence.
-
-        Returns True when this call ended a step that committed (its last micro-batch; a
-        bounded-delay worker's update handed to the aggregator); False for a step's other
-        micro-batches and for a step that a peer's failure gave up (what the loop body does
-        after it is then undone at the next batch). ``if job.step(loss): scheduler.step()``
-        steps a scheduler once per step under ``--max-local-batch`` too."""
-        if not self._step_open or self._micro_left <= 0:
+             scaler: Optional[Any] = None) -> StepOutcome:
+        """``job.step``: backward of ``loss``, and after the last micro-batch the exchange
+        and the update (see ``Job.step``)."""
+        job = self.job
+        if not self.open or self.micro_left <= 0:
             raise ConfigurationError("job.step(loss) is called once per batch the loader "
                                      "yields, inside `for batch in loader`")
         if scaler is not None and not scaler.is_enabled():
             scaler = None
-        if scaler is not None and not self.state.strategy.averages_gradients:
+        strategy = job.state.strategy
+        if scaler is not None and not strategy.averages_gradients:
             raise ConfigurationError(
                 f"mixed precision with a GradScaler needs --strategy ssgd (under "
-                f"{self.state.strategy.name} each replica's scaler would skip its own steps "
+                f"{strategy.name} each replica's scaler would skip its own steps "
                 f"and the scales would drift apart); train in bf16 without a scaler instead")
-        self._loss_sum += float(loss.detach()) * self._micro_n
+        self.loss_sum += float(loss.detach()) * self._micro_n
         scaled = loss * self._micro_share if self._micro_share != 1.0 else loss
-        if self._async_work is not None:
+        if self._send is not None:
             # bounded delay: the gradient stays local until it is sent to the aggregator
-            with self.optimizer.no_sync():
+            with job.optimizer.no_sync():
                 scaled.backward()
-            self._micro_left -= 1
-            if self._micro_left == 0:
-                self._send_async_update(clip_grad_norm)
-                return True
-            return False
+            self.micro_left -= 1
+            if self.micro_left == 0:
+                send = self._send
+                try:
+                    send(clip_grad_norm, self.loss_sum)
+                finally:
+                    self.close_step()
+                return StepOutcome(committed=True)
+            return StepOutcome(committed=False)
         if scaler is not None:
             scaled = scaler.scale(scaled)
-        last = self._micro_left == 1
+        last = self.micro_left == 1
         if last:
             self._stage_control()
             scaled.backward()
         else:
-            with self.optimizer.no_sync():
+            with job.optimizer.no_sync():
                 scaled.backward()
-        self._micro_left -= 1
-        return self._finish_step(clip_grad_norm, scaler) if last else False
+        self.micro_left -= 1
+        return self._finish_step(clip_grad_norm, scaler) if last else \
+            StepOutcome(committed=False)
 
     def _finish_step(self, clip_grad_norm: Optional[float] = None,
-                     scaler: Optional[Any] = None) -> bool:
-        """The step's exchange and update; whether the step committed."""
-        st = self.state
+                     scaler: Optional[Any] = None) -> StepOutcome:
+        """The step's exchange and update."""
+        job = self.job
+        st, world = job.state, job.world
         t1 = time.perf_counter()
         try:
             faults.point("gradient", st.step)
-            stats = self.optimizer.synchronize()
+            stats = job.optimizer.synchronize()
         except world_mod.FAILURES as exc:
-            # In the user's code no exception may go: the recovery runs here, and the loop's
+            # In the user's code no exception may go: Job.step recovers, and the loop's
             # scope restarts the step when the loop asks for the next batch.
-            self._recover(exc, step_given_up=True)  # or ends the job
-            return False
-        self._slow_down(self.options.slow_comm, time.perf_counter() - t1)  # --slow-comm
+            return StepOutcome(committed=False, failure=exc, given_up=True)
+        self._slow_down(job.options.slow_comm, time.perf_counter() - t1)  # --slow-comm
         t2 = time.perf_counter()
-        self._read_control(stats.extras, self._part.global_count)
+        self.read_control(stats.extras, self.part.global_count)
         # The global loss arrived with the gradients: every rank sees the same value, so all
         # skip a non-finite step together, with no extra collective. (With a scaler,
         # overflowing gradients are the scaler's business: it skips and lowers the scale.)
-        grads_finite = not (self.monitored and self.world.size > 1
+        grads_finite = not (self.monitored and world.size > 1
                             and not math.isfinite(stats.global_sqnorm))
         finite = math.isfinite(self.last_loss) and (grads_finite or scaler is not None)
-        inner = self.optimizer.optimizer
+        inner = job.optimizer.optimizer
         with rates_scaled(inner, st.rate_factor()):
-            self._used_settings = optimizer_settings(inner)
+            self.used_settings = optimizer_settings(inner)
         if finite:
-            self._nonfinite_run = 0
+            self.nonfinite_run = 0
             if scaler is not None:
                 scale = float(scaler.get_scale())
                 scaler.unscale_(inner)  # the averaged gradients, identical on every rank
                 stats = GradientStats(stats.local_sqnorm_mean / scale ** 2,
                                       stats.global_sqnorm / scale ** 2, stats.extras)
-                if self.monitored and self.world.size == 1:
+                if self.monitored and world.size == 1:
                     grads_finite = all(bool(torch.isfinite(g).all())
-                                       for g in self.optimizer.flat_gradients())
+                                       for g in job.optimizer.flat_gradients())
             if self.monitored and grads_finite:
-                self._update_monitors(stats, self._part.global_count)
-            self._keep_previous_gradients()
+                job._update_monitors(stats, self.part.global_count)
+            job._keep_previous_gradients(self.part.global_count)
             if clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_grad_norm)
+                torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
             with rates_scaled(inner, st.rate_factor()):
                 if scaler is None:
                     inner.step()
@@ -223,85 +329,105 @@ class StepLoop:
             if scaler is not None:
                 scaler.update()
                 if float(scaler.get_scale()) < scale:
-                    self.previous_gradient.forget()  # an overflow: nothing to compare with
+                    job.previous_gradient.forget()  # an overflow: nothing to compare with
         else:
-            self._nonfinite_run += 1
-            self.previous_gradient.forget()
-            if self.world.rank == 0:
+            self.nonfinite_run += 1
+            job.previous_gradient.forget()
+            if world.rank == 0:
                 log.warning("step %d: the loss or gradient is not finite (loss %s); the update "
                             "is skipped (%d in a row)", st.step, self.last_loss,
-                            self._nonfinite_run)
-        st.sampler.advance(self._part.global_count)
+                            self.nonfinite_run)
+        st.sampler.advance(self.part.global_count)
         st.step += 1
-        st.count_gain(self._part.global_count, self.engine.lr_rule.rule == "adascale")
-        self._in_flight = None  # committed: a failure from here on redoes nothing
-        if st.strategy.averages_after(st.step - 1) and self.world.size > 1:
+        st.count_gain(self.part.global_count, job.engine.lr_rule.rule == "adascale")
+        self.in_flight = None  # committed: a failure from here on redoes nothing
+        self.last_count = self.part.global_count
+        failure = None
+        if st.strategy.averages_after(st.step - 1) and world.size > 1:
             try:
-                self.optimizer.average_models()  # local SGD: the replicas become one
+                job.optimizer.average_models()  # local SGD: the replicas become one
             except world_mod.FAILURES as exc:
-                self._recover(exc)  # the step is done on every survivor; training goes on
-                return True
+                failure = exc  # the step is done on every survivor; training goes on
         t3 = time.perf_counter()
-        self._prev_local = (t3 - self._t_step, t1 - self._t_step, t2 - t1)
-        self._own_compute = max(0.0, t1 - self._t_step - self._slept)
-        self._step_time = t3 - self._t_step
-        self.world.watch.note_step(self._step_time)
-        self._last_count = self._part.global_count
-        self._step_open = False
-        return True
+        self._prev_local = (t3 - self._t_start, t1 - self._t_start, t2 - t1)
+        self._own_compute = max(0.0, t1 - self._t_start - self._slept)
+        self.step_time = t3 - self._t_start
+        world.watch.note_step(self.step_time)
+        self.open = False
+        return StepOutcome(committed=True, failure=failure)
+
+    def commit_round(self, count: int, steps: int, control: np.ndarray) -> None:
+        """A bounded-delay round's commit on every rank: ``count`` samples as ``steps``
+        steps (equal shares), and the round's control values (loss, times, stop votes)."""
+        job = self.job
+        st = job.state
+        with rates_scaled(job.optimizer.optimizer, st.rate_factor()):
+            self.used_settings = optimizer_settings(job.optimizer.optimizer)
+        st.sampler.advance(count)
+        st.step += steps
+        for _ in range(steps):   # a round's steps hold equal shares of its samples
+            st.count_gain(count / steps, job.engine.lr_rule.rule == "adascale")
+        self.in_flight = None  # committed
+        nonfinite_updates = self.read_control(control, count)
+        # Only finite updates were applied; the guard counts updates, not rounds: a round
+        # that applied none adds its non-finite updates to the run, one that applied any
+        # ends it.
+        self.nonfinite_run = 0 if math.isfinite(self.last_loss) else \
+            self.nonfinite_run + max(1, nonfinite_updates)
+        self.step_time = time.perf_counter() - self._t_start
+        job.world.watch.note_step(self.step_time / max(steps, 1))
+        self.last_count = count
 
     def _slow_down(self, factor: float, seconds: float) -> float:
         """--slow-rank R with --slow-compute/--slow-comm F: rank R takes F times as long for
         its compute (a sleep before forward, as long as (F - 1) x the last step's compute)
         or its communication (after the step's exchange), so that strategies can be
         compared against a straggler or a slow link on one machine (tests, benchmarks)."""
-        o = self.options
-        if o.slow_until is not None and self.state.step >= o.slow_until:
+        job = self.job
+        o = job.options
+        if o.slow_until is not None and job.state.step >= o.slow_until:
             return 0.0
-        if factor > 1.0 and o.slow_rank == self.world.rank and seconds > 0:
+        if factor > 1.0 and o.slow_rank == job.world.rank and seconds > 0:
             time.sleep((factor - 1.0) * seconds)
             return (factor - 1.0) * seconds
         return 0.0
 
-    def _slot_ranks(self) -> int:
+    # -- the control values that travel with each step's gradients -----------------------
+    def slot_ranks(self) -> int:
         """Ranks the slots have room for: the most this job can grow to (the layout stays
         the same across resizes)."""
-        cap = self.elastic.allocator.capacity() if self.elastic is not None else 0
-        return max(self.world.size, cap)
+        job = self.job
+        cap = job.elastic.allocator.capacity() if job.elastic is not None else 0
+        return max(job.world.size, cap)
 
-    def _control_layout(self) -> ControlLayout:
-        return ControlLayout(self._slot_ranks())
+    def control_layout(self) -> ControlLayout:
+        return ControlLayout(self.slot_ranks())
+
+    def stop_signal_received(self) -> bool:
+        signals = self.job.stop_signals
+        return signals is not None and signals.received
 
     def _stage_control(self) -> None:
         """This rank's control values, sent with the step's gradients."""
-        layout, rank = self._control_layout(), self.world.rank
+        job = self.job
+        layout, rank = self.control_layout(), job.world.rank
         values = layout.zeros()
-        values[layout.LOSS] = self._loss_sum
+        values[layout.LOSS] = self.loss_sum
         step_t, compute_t, wait_t = self._prev_local
         layout.put_rank(values, rank, step_s=step_t, compute_s=compute_t, wait_s=wait_t,
-                        samples=len(self._part.indices))
-        stop_file = self.options.stop_file
+                        samples=len(self.part.indices))
+        stop_file = job.options.stop_file
         values[layout.STOP_FILE] = 1.0 if rank == 0 and stop_file and os.path.exists(stop_file) \
             else 0.0
-        values[layout.STOP_SIGNAL] = 1.0 if self.stop_signals is not None and \
-            self.stop_signals.received else 0.0
-        self.optimizer.stage_extras(values)
+        values[layout.STOP_SIGNAL] = 1.0 if self.stop_signal_received() else 0.0
+        job.optimizer.stage_extras(values)
 
-    def _read_control(self, values: np.ndarray, global_count: int) -> None:
-        reading = self._control_layout().read(values, self.world.size, global_count)
+    def read_control(self, values: np.ndarray, global_count: int) -> int:
+        """The step's (round's) agreed control values; returns the round's non-finite
+        updates (bounded delay)."""
+        reading = self.control_layout().read(values, self.job.world.size, global_count)
         self.last_loss = reading.loss
         self.last_times = reading.times
-        self._stop_requested = reading.stop_signal
-        self._finish_requested = reading.stop_file
-        self._round_nonfinite = reading.nonfinite_updates
-
-    def _apply_momentum(self, momentum: float) -> None:
-        applied = False
-        for group in self.optimizer.param_groups:
-            if "momentum" in group:
-                group["momentum"] = momentum
-                applied = True
-        if not applied and self.world.rank == 0:
-            log.warning("momentum %.3g not applied: the optimizer (%s) has no SGD momentum "
-                        "(Adam's betas are left as they are)", momentum,
-                        type(self.optimizer.optimizer).__name__)
+        self.stop_requested = reading.stop_signal
+        self.finish_requested = reading.stop_file
+        return reading.nonfinite_updates

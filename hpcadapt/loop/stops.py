@@ -100,7 +100,7 @@ class StopsAndCheckpoints:
         before the run (a finite but exploding loss) was applied, so it is not saved; the
         last checkpoint on disk (a --checkpoint-every save or an earlier stop's) is kept
         and named. The job ends with exit code 1, not requeued (it would diverge again)."""
-        st, n = self.state, self._nonfinite_run
+        st, n = self.state, self.steps.nonfinite_run
         self._requeue = False
         unit = "updates" if st.strategy.asynchronous and self.world.size > 1 else "steps"
         name = f"{n} {unit} with a non-finite loss"
@@ -155,7 +155,7 @@ class StopsAndCheckpoints:
 
     def _last_lr(self) -> float:
         """The optimizer's rate at its last update (its rate now before the first)."""
-        used = self._used_settings or optimizer_settings(self.optimizer.optimizer)
+        used = self.steps.used_settings or optimizer_settings(self.optimizer.optimizer)
         return used["lr"]
 
     def summary(self) -> Dict[str, Any]:
@@ -167,8 +167,8 @@ class StopsAndCheckpoints:
                         "resizes": self.resizes, "stopped": self.stopped,
                         "strategy": st.strategy.name, "model_digest": self.model_digest(),
                         "user_metrics": dict(self.recorder.user_metrics),
-                        **({"bounded_delay": self._async_totals}
-                           if self._async_totals else {})})
+                        **({"bounded_delay": self.rounds.totals}
+                           if self.rounds.totals else {})})
 
     def finish(self, *, exit: bool = True) -> Dict[str, Any]:
         """End the job on every rank: rank 0 prints the summary as one line of JSON (and
