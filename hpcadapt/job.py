@@ -113,8 +113,7 @@ class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndChec
                         "slowed", o.slow_rank, most)
         # Every wait on a peer is bounded (runtime.PeerWatch); a stop signal is seen there.
         self.world.watch.floor = o.peer_timeout
-        self.world.watch.stop_flag = lambda: bool(self.stop_signals is not None
-                                                  and self.stop_signals.received)
+        self.world.watch.stop_signals = self.stop_signals
         self.device_choice = setup_checks.choose_device(o, self.world)
         #: where this rank trains: move the model (and each batch) here before ``setup``
         self.device = torch.device(self.device_choice.torch_device)
@@ -393,19 +392,18 @@ class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndChec
         while st.epoch == epoch and not st.sampler.epoch_done and not self._over():
             self._restart = False  # a recovery in an epoch hook needs no redo
             rounds = st.strategy.asynchronous and self.world.size > 1
-            in_step, going_on = True, True
+            going_on = True
             # The loop's recovery scope: a peer's failure anywhere in the step (round) or at
             # its boundary is recovered from here, and the iteration starts again from the
             # state the survivors agreed on (the step from the cursor, at the new size).
             # Only job.step, which runs in the user's code where no exception may go,
             # recovers in place; it leaves the restart for this scope to see.
-            try:
+            with self._recovery_scope() as scope:
+                scope.step_given_up = True
                 count = yield from (self.rounds.round() if rounds else self.steps.sync_step())
-                in_step = False
+                scope.step_given_up = False
                 if not self._restart:
                     going_on = self._boundary(count, round_end=rounds)
-            except world_mod.FAILURES as exc:
-                self._recover(exc, step_given_up=in_step)  # or ends the job
             self.steps.undo_user_code_of_given_up_step()
             if self._take_restart():
                 continue
@@ -417,11 +415,13 @@ class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndChec
     def _hook_in_scope(self, name: str) -> bool:
         """An epoch-level hook (before and after training and each epoch) inside the loop's
         recovery scope; whether a recovery cut it short."""
-        try:
+        with self._recovery_scope():
             self._hook(name)
-        except world_mod.FAILURES as exc:
-            self._recover(exc)  # or ends the job
         return self._take_restart()
+
+    def _recovery_scope(self) -> RecoveryScope:
+        """Where a peer's failure is recovered from: see ``RecoveryScope``."""
+        return RecoveryScope(self._recover)
 
     def _take_restart(self) -> bool:
         """Whether a recovery asked the loop to start the iteration again (read once)."""
@@ -432,6 +432,29 @@ class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndChec
         if self.state is None:
             raise ConfigurationError("call job.setup(model, optimizer, loader) first")
         return self.state
+
+
+class RecoveryScope:
+    """The loop's recovery scope (``with job._recovery_scope() as scope:``): a peer's
+    failure raised inside it is recovered from on leaving it (or ends the job), and the
+    code after it reads ``scope.recovered``. With ``Job.step`` (the user's call, where no
+    exception may go) the only way into a recovery. ``step_given_up``: set while the step
+    (round) in flight has not committed, so that the loop body's work for it is undone."""
+
+    def __init__(self, recover):
+        self._recover = recover
+        self.step_given_up = False
+        self.recovered = False
+
+    def __enter__(self) -> "RecoveryScope":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is None or not issubclass(kind, world_mod.FAILURES):
+            return False
+        self._recover(exc, step_given_up=self.step_given_up)  # or ends the job
+        self.recovered = True
+        return True
 
 
 def _options_of(args: Optional[argparse.Namespace], keywords: Mapping[str, Any]) -> JobOptions:

@@ -452,7 +452,8 @@ class PeerWatch:
     rank 0 adds the joiners' launchers). Deadline: ``max(floor, PEER_TIMEOUT_STEPS x the
     median step time)``, applied only where some peer's liveness cannot be seen (``blind``:
     peers on other nodes): a slow peer that is alive on this node is waited for. A stop
-    signal noticed while waiting blind (``stop_flag``) shortens the deadline to
+    signal noticed while waiting blind (``stop_signals.received``, the job's
+    ``StopSignals``: state the watch reads, no call back into the job) shortens the deadline to
     ``stop_grace_s``: the job then ends, saving what it holds, instead of waiting on."""
 
     check_s = 0.05
@@ -465,11 +466,11 @@ class PeerWatch:
         self.blind = blind
         self.floor = PEER_TIMEOUT_FLOOR
         self.steps: deque = deque(maxlen=64)
-        self.stop_flag: Optional[Callable[[], bool]] = None
+        self.stop_signals = None  # anything with a bool ``received`` (base.preemption)
         self.sources: List[Callable[[], Optional[Tuple[int, str]]]] = []
 
     def inherit(self, other: "PeerWatch") -> None:
-        self.floor, self.stop_flag = other.floor, other.stop_flag
+        self.floor, self.stop_signals = other.floor, other.stop_signals
         self.steps = other.steps
 
     def dead_ranks(self) -> List[int]:
@@ -550,8 +551,8 @@ class PeerWatch:
                 raise PeerFailure(f"no answer from a peer for {waited:.1f} s in {what} "
                                   f"(deadline {limit - t0:.1f} s: --peer-timeout)",
                                   waited_s=waited, cause="timeout")
-            if self.blind and self.stop_flag is not None and self.stop_flag() \
-                    and waited > self.stop_grace_s:
+            if self.blind and self.stop_signals is not None \
+                    and self.stop_signals.received and waited > self.stop_grace_s:
                 raise PeerFailure(f"a stop signal arrived while waiting {waited:.1f} s in "
                                   f"{what}", waited_s=waited, cause="stop")
 

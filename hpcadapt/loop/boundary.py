@@ -155,10 +155,8 @@ class Boundary:
         the same point between steps (policies do it through a plan). A peer that dies in
         it is recovered from here; the old strategy stays."""
         registered(strategy)  # one line, on every rank alike, before any collective
-        try:
+        with self._recovery_scope():
             self._switch_strategy(strategy, reason)
-        except world_mod.FAILURES as exc:
-            self._recover(exc)  # or ends the job
 
     def switch_topology(self, topology: str, reason: str = "user request") -> None:
         """The gradients' allreduce topology from the next step on (``hpcadapt.comm.topology``:

@@ -214,11 +214,9 @@ class FailureHandling:
         whether a recovery happened (training goes on from the agreed state)."""
         if not (world_mod.ULFM and self._recoverable and self.world.size > 1):
             return False
-        try:
+        with self._recovery_scope():
             world_mod.wait_request(self.world.comm.Ibarrier(), self.world.watch,
                                    "the end of training")
-        except world_mod.FAILURES as exc:
-            self._recover(exc)  # or ends the job
         return self._take_restart()
 
     def _coordinator_may_move(self) -> bool:

@@ -101,10 +101,8 @@ class MembershipChanges:
                                                    "allocator that starts them)"))
         self.request_resize(count, reason)
         while self.elastic.growing:
-            try:
+            with self._recovery_scope():
                 self._poll_elastic()
-            except world_mod.FAILURES as exc:
-                self._recover(exc)  # or ends the job
             time.sleep(0.02)
 
     def request_resize(self, new_size: int, reason: str = "user request", *,
@@ -168,67 +166,71 @@ class MembershipChanges:
             old, version = self.world.size, self.world.cluster_version
             workers = list(self.elastic.pending.workers) if self.elastic.pending else []
             previous, merged = self.world.comm, None
-            try:
-                # What cannot be polled between the joiner's first word and the
-                # confirmation (Create_intercomm, Merge) runs under a watchdog.
-                with self._join_watchdog(workers):
-                    # Rank 0 sends each joiner the state over its own bridge before the
-                    # whole job takes it in: a joiner dying until then is abandoned.
-                    faults.point("join", self.state.step)
-                    merged = self.elastic.join(joiners, self._send_state_over_bridge)
-                    self.world.replace(merged, keep_old=True)
-                    if self.elastic.spawns:  # spawned joiners take the state now
-                        faults.point("state", self.state.step)
-                        world_mod.agree_all_alive(self.world.comm)  # the joiners too
-                        self._sync_state(receiving=False)
-                    self._confirm_join()
-            except JoinAborted as exc:
-                self._record_resize(self.elastic.abandon(str(exc)))
-                return
-            except world_mod.FAILURES as exc:
-                if world_mod.ULFM:
-                    self._recover_during_join(exc, previous, merged, old,
-                                              old + joiners, reason)
+            # ULFM: a death during the join is recovered from here, the joiners with the
+            # job once they merged (see _record_death_during_join).
+            with self._recovery_scope() as scope:
+                try:
+                    # What cannot be polled between the joiner's first word and the
+                    # confirmation (Create_intercomm, Merge) runs under a watchdog.
+                    with self._join_watchdog(workers):
+                        # Rank 0 sends each joiner the state over its own bridge before the
+                        # whole job takes it in: a joiner dying until then is abandoned.
+                        faults.point("join", self.state.step)
+                        merged = self.elastic.join(joiners, self._send_state_over_bridge)
+                        self.world.replace(merged, keep_old=True)
+                        if self.elastic.spawns:  # spawned joiners take the state now
+                            faults.point("state", self.state.step)
+                            world_mod.agree_all_alive(self.world.comm)  # the joiners too
+                            self._sync_state(receiving=False)
+                        self._confirm_join()
+                except JoinAborted as exc:
+                    self._record_resize(self.elastic.abandon(str(exc)))
                     return
+                except world_mod.FAILURES as exc:
+                    if world_mod.ULFM:
+                        self._record_death_during_join(previous, merged, old, reason)
+                        raise
+                    if merged is None:
+                        self._fail(exc)  # a rank of the running job itself failed
+                    # A joiner died after it merged: back to the old world, which holds only
+                    # the ranks that trained on (their state is untouched); the merged
+                    # communicator is left unfreed (freeing it would wait on the dead).
+                    self.world.replace(previous, version=version, keep_old=True)
+                    self.optimizer.ensure_current()
+                    if self.world.rank == 0:
+                        for w in workers:
+                            w.stop()
+                    self._record_resize(ResizeOutcome(
+                        old, self.world.size, f"{reason}; abandoned: a joining worker died "
+                        f"while it merged ({exc})", 0.0, False))
+                    return
+            if scope.recovered:
                 if merged is None:
-                    self._fail(exc)  # a rank of the running job itself failed
-                # A joiner died after it merged: back to the old world, which holds only
-                # the ranks that trained on (their state is untouched); the merged
-                # communicator is left unfreed (freeing it would wait on the dead).
-                self.world.replace(previous, version=version, keep_old=True)
-                self.optimizer.ensure_current()
-                if self.world.rank == 0:
-                    for w in workers:
-                        w.stop()
-                self._record_resize(ResizeOutcome(
-                    old, self.world.size, f"{reason}; abandoned: a joining worker died "
-                    f"while it merged ({exc})", 0.0, False))
+                    self._record_resize(ResizeOutcome(
+                        old, old + joiners, f"{reason}; abandoned: a rank of the job died "
+                        f"before the merge", 0.0, False))
                 return
             if previous != MPI_COMM_NULL():
                 previous.Free()
             self._after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
                                decided)
 
-    def _recover_during_join(self, exc: BaseException, previous, merged, old: int,
-                             target: int, reason: str) -> None:
-        """ULFM: a death while the job joins spawned workers. Before the merge the parents
-        agreed that one of them died and let the joiners go: the job recovers on its own.
-        After it, every member of the merged world recovers together, the joiners too
-        (they take the state from a survivor that holds it), so the grow is kept."""
+    def _record_death_during_join(self, previous, merged, old: int, reason: str) -> None:
+        """ULFM: a death while the job joins spawned workers, before its recovery. Before
+        the merge the parents agreed that one of them died and let the joiners go: the job
+        recovers on its own (the grow is recorded as abandoned after it). After it, every
+        member of the merged world recovers together, the joiners too (they take the state
+        from a survivor that holds it), so the grow is kept: recorded first (by rank 0 while
+        it lives; else the failure's old size says it)."""
         from hpcadapt.elastic.membership import ResizeOutcome
 
         if merged is not None:
-            # Recorded first (by rank 0 while it lives; else the failure's old size says it).
             self._identical_after_resize = None
             self._record_resize(ResizeOutcome(old, self.world.size, f"{reason}; merged, then "
                                               f"a death during the join: the joiners recover "
                                               f"with the job", 0.0, True))
             if previous != MPI_COMM_NULL():
                 world_mod.ABANDONED.append(previous)  # may hold the dead: never freed
-        self._recover(exc)
-        if merged is None:
-            self._record_resize(ResizeOutcome(old, target, f"{reason}; abandoned: a rank of "
-                                              f"the job died before the merge", 0.0, False))
 
     def _join_watchdog(self, workers):
         """The watchdog around a join's blocking steps: a joining worker whose launcher has
@@ -346,26 +348,25 @@ class MembershipChanges:
             # failure of the launch, whose code is the training's); the line says why.
             log.error("the join was given up (%s): this worker exits", exc)
             sys.exit(0)
-        failure = None
-        try:
-            with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
-                                    _give_up_join):
-                self.world.replace(merged)
-                world_mod.agree_all_alive(merged)  # the job's ranks agree on it too
-                self._sync_state(receiving=True)
-                self._confirm_join()
-        except world_mod.FAILURES as exc:
-            if not (world_mod.ULFM and self.world.comm is merged):
-                # The merged world is not this worker's: the job recovers without it. It
-                # ends through MPI_Finalize with 0, so that the launch's exit code stays
-                # the training's (the line says what happened).
-                log.error("the join was given up (%s): this worker exits", exc)
-                sys.exit(0)
-            failure = exc
-        if failure is not None:
-            # A death during the join (ULFM): this worker recovers with the merged world and
-            # takes the state from a survivor that holds it.
-            self._recover(failure)
+        # A death during the join (ULFM): this worker recovers with the merged world and
+        # takes the state from a survivor that holds it.
+        with self._recovery_scope() as scope:
+            try:
+                with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
+                                        _give_up_join):
+                    self.world.replace(merged)
+                    world_mod.agree_all_alive(merged)  # the job's ranks agree on it too
+                    self._sync_state(receiving=True)
+                    self._confirm_join()
+            except world_mod.FAILURES as exc:
+                if not (world_mod.ULFM and self.world.comm is merged):
+                    # The merged world is not this worker's: the job recovers without it.
+                    # It ends through MPI_Finalize with 0, so that the launch's exit code
+                    # stays the training's (the line says what happened).
+                    log.error("the join was given up (%s): this worker exits", exc)
+                    sys.exit(0)
+                raise
+        if scope.recovered:
             log.info("joined as rank %d of %d at step %d, through the recovery from a death "
                      "during the join", self.world.rank, self.world.size, self.state.step)
             return
