@@ -396,8 +396,9 @@ class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndChec
             # The loop's recovery scope: a peer's failure anywhere in the step (round) or at
             # its boundary is recovered from here, and the iteration starts again from the
             # state the survivors agreed on (the step from the cursor, at the new size).
-            # Only job.step, which runs in the user's code where no exception may go,
-            # recovers in place; it leaves the restart for this scope to see.
+            # job.step, which runs in the user's code where no exception may go, recovers
+            # in place and leaves the restart for this loop to see (as do the scopes of a
+            # join and of switch_strategy).
             with self._recovery_scope() as scope:
                 scope.step_given_up = True
                 count = yield from (self.rounds.round() if rounds else self.steps.sync_step())

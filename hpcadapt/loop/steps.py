@@ -4,7 +4,8 @@ exchange with the control values, the update and its commit.
 ``StepRunner`` owns the step in flight (its share, micro-batch counters, timings, the state
 a recovery undoes) and what the last committed step left for the boundary (loss, per-rank
 times, stop votes, the optimizer's settings): no other module writes these. It reads the
-job's parts (world, state, optimizer, options) and never writes the job: a failure in the
+job's parts (world, state, optimizer, options) and assigns none of the job's attributes
+(it moves the training state's step and cursor, as a commit does): a failure in the
 exchange comes back as a ``StepOutcome`` for ``Job.step`` to recover from, and one in the
 loop's part of a step is raised to the loop's recovery scope."""
 
@@ -341,20 +342,21 @@ class StepRunner:
         st.step += 1
         st.count_gain(self.part.global_count, job.engine.lr_rule.rule == "adascale")
         self.in_flight = None  # committed: a failure from here on redoes nothing
-        self.last_count = self.part.global_count
-        failure = None
         if st.strategy.averages_after(st.step - 1) and world.size > 1:
             try:
                 job.optimizer.average_models()  # local SGD: the replicas become one
             except world_mod.FAILURES as exc:
-                failure = exc  # the step is done on every survivor; training goes on
+                # The step is done on every survivor; training goes on. Its times (the
+                # wait for the dead peer among them) are not the step's: left out.
+                return StepOutcome(committed=True, failure=exc)
         t3 = time.perf_counter()
         self._prev_local = (t3 - self._t_start, t1 - self._t_start, t2 - t1)
         self._own_compute = max(0.0, t1 - self._t_start - self._slept)
         self.step_time = t3 - self._t_start
         world.watch.note_step(self.step_time)
+        self.last_count = self.part.global_count
         self.open = False
-        return StepOutcome(committed=True, failure=failure)
+        return StepOutcome(committed=True)
 
     def commit_round(self, count: int, steps: int, control: np.ndarray) -> None:
         """A bounded-delay round's commit on every rank: ``count`` samples as ``steps``
