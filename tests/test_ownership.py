@@ -40,8 +40,8 @@ def _job_files():
             yield os.path.join(loop, name)
 
 
-def self_writes(tree):
-    """The attributes of ``self`` a module assigns (plain, augmented, annotated or
+def _assigned_attributes(tree):
+    """Every ``<expression>.<attribute>`` a module assigns (plain, augmented, annotated or
     unpacked assignments)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
@@ -52,9 +52,17 @@ def self_writes(tree):
             continue
         for target in targets:
             for sub in ast.walk(target):
-                if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
-                        and isinstance(sub.value, ast.Name) and sub.value.id == "self"):
-                    yield sub.attr
+                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
+                    yield sub
+
+
+def _on_self(attribute):
+    return isinstance(attribute.value, ast.Name) and attribute.value.id == "self"
+
+
+def self_writes(tree):
+    """The attributes of ``self`` a module assigns."""
+    return (a.attr for a in _assigned_attributes(tree) if _on_self(a))
 
 
 def _job_classes():
@@ -104,19 +112,8 @@ def foreign_writes(tree, owned):
     """(line, attribute) of each assignment to ``<something>.<a>.<attribute>`` or
     ``<name>.<attribute>`` other than ``self.<attribute>``, for attributes in ``owned``:
     a write into another object's state."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-            targets = [node.target]
-        else:
-            continue
-        for target in targets:
-            for sub in ast.walk(target):
-                if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
-                        and sub.attr in owned
-                        and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")):
-                    yield sub.lineno, sub.attr
+    return ((a.lineno, a.attr) for a in _assigned_attributes(tree)
+            if a.attr in owned and not _on_self(a))
 
 
 def test_no_module_writes_a_collaborators_state():
