@@ -466,7 +466,7 @@ class PeerWatch:
         self.blind = blind
         self.floor = PEER_TIMEOUT_FLOOR
         self.steps: deque = deque(maxlen=64)
-        self.stop_signals = None  # anything with a bool ``received`` (base.preemption)
+        self.stop_signals = None  # anything with ``received``: a signal's name or None
         self.sources: List[Callable[[], Optional[Tuple[int, str]]]] = []
 
     def inherit(self, other: "PeerWatch") -> None:

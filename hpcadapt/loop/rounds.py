@@ -99,7 +99,8 @@ class BoundedDelayRounds:
         def send(clip_grad_norm: Optional[float], loss_sum: float) -> None:
             if clip_grad_norm is not None:  # each update's gradient, as each step's
                 torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
-            compute = self.steps.note_compute(time.perf_counter() - t0)
+            compute = time.perf_counter() - t0
+            self.steps.note_compute(compute)
             worker.send_update(work.batch_id, len(work.indices), loss_sum, compute)
 
         # --slow-compute: the rank's straggling, as in synchronous steps

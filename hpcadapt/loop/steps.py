@@ -232,11 +232,10 @@ class StepRunner:
         self.open = False
         self._send = None
 
-    def note_compute(self, seconds: float) -> float:
-        """A bounded-delay worker's compute for its batch (the --slow-compute sleep left out,
-        as each synchronous step's); returns it with the sleep."""
+    def note_compute(self, seconds: float) -> None:
+        """A bounded-delay worker's compute for its batch, sleep included: the next batch's
+        --slow-compute sleep follows it with the sleep left out, as each synchronous step's."""
         self._own_compute = max(0.0, seconds - self._slept)
-        return seconds
 
     def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None,
              scaler: Optional[Any] = None) -> StepOutcome:
@@ -305,8 +304,7 @@ class StepRunner:
                             and not math.isfinite(stats.global_sqnorm))
         finite = math.isfinite(self.last_loss) and (grads_finite or scaler is not None)
         inner = job.optimizer.optimizer
-        with rates_scaled(inner, st.rate_factor()):
-            self.used_settings = optimizer_settings(inner)
+        self._record_settings()
         if finite:
             self.nonfinite_run = 0
             if scaler is not None:
@@ -338,10 +336,7 @@ class StepRunner:
                 log.warning("step %d: the loss or gradient is not finite (loss %s); the update "
                             "is skipped (%d in a row)", st.step, self.last_loss,
                             self.nonfinite_run)
-        st.sampler.advance(self.part.global_count)
-        st.step += 1
-        st.count_gain(self.part.global_count, job.engine.lr_rule.rule == "adascale")
-        self.in_flight = None  # committed: a failure from here on redoes nothing
+        self._commit(self.part.global_count, 1)  # a failure from here on redoes nothing
         if st.strategy.averages_after(st.step - 1) and world.size > 1:
             try:
                 job.optimizer.average_models()  # local SGD: the replicas become one
@@ -362,14 +357,8 @@ class StepRunner:
         """A bounded-delay round's commit on every rank: ``count`` samples as ``steps``
         steps (equal shares), and the round's control values (loss, times, stop votes)."""
         job = self.job
-        st = job.state
-        with rates_scaled(job.optimizer.optimizer, st.rate_factor()):
-            self.used_settings = optimizer_settings(job.optimizer.optimizer)
-        st.sampler.advance(count)
-        st.step += steps
-        for _ in range(steps):   # a round's steps hold equal shares of its samples
-            st.count_gain(count / steps, job.engine.lr_rule.rule == "adascale")
-        self.in_flight = None  # committed
+        self._record_settings()
+        self._commit(count, steps)
         nonfinite_updates = self.read_control(control, count)
         # Only finite updates were applied; the guard counts updates, not rounds: a round
         # that applied none adds its non-finite updates to the run, one that applied any
@@ -379,6 +368,25 @@ class StepRunner:
         self.step_time = time.perf_counter() - self._t_start
         job.world.watch.note_step(self.step_time / max(steps, 1))
         self.last_count = count
+
+    def _record_settings(self) -> None:
+        """The optimizer's settings as the update applies them (the policies' factor on the
+        user's rates), for the step's metrics line and the summary."""
+        inner = self.job.optimizer.optimizer
+        with rates_scaled(inner, self.job.state.rate_factor()):
+            self.used_settings = optimizer_settings(inner)
+
+    def _commit(self, count: int, steps: int) -> None:
+        """``count`` samples committed as ``steps`` steps (a round's hold equal shares):
+        the cursor, the step counter and the scale-invariant progress move; nothing is in
+        flight any more."""
+        st = self.job.state
+        adascale = self.job.engine.lr_rule.rule == "adascale"
+        st.sampler.advance(count)
+        st.step += steps
+        for _ in range(steps):
+            st.count_gain(count / steps, adascale)
+        self.in_flight = None
 
     def _slow_down(self, factor: float, seconds: float) -> float:
         """--slow-rank R with --slow-compute/--slow-comm F: rank R takes F times as long for
@@ -407,7 +415,7 @@ class StepRunner:
 
     def stop_signal_received(self) -> bool:
         signals = self.job.stop_signals
-        return signals is not None and signals.received
+        return signals is not None and signals.received is not None
 
     def _stage_control(self) -> None:
         """This rank's control values, sent with the step's gradients."""
