@@ -424,6 +424,12 @@ class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndChec
         """Where a peer's failure is recovered from: see ``RecoveryScope``."""
         return RecoveryScope(self._recover)
 
+    @property
+    def restart_pending(self) -> bool:
+        """Whether a recovery (in ``job.step``) asked the loop to start its iteration again:
+        a bounded-delay worker's round stops handing out batches then."""
+        return self._restart
+
     def _take_restart(self) -> bool:
         """Whether a recovery asked the loop to start the iteration again (read once)."""
         restart, self._restart = self._restart, False

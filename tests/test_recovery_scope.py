@@ -42,3 +42,66 @@ def test_a_step_outcome_is_plain_data():
     assert (done.committed, done.failure, done.given_up) == (True, None, False)
     with pytest.raises(AttributeError):
         done.committed = False
+
+
+class _NoSync:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _worker_runner():
+    """A step runner on a job with only what a bounded-delay worker's job.step reads."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpcadapt.base import strategies
+    from hpcadapt.loop.steps import StepRunner
+
+    job = SimpleNamespace(
+        state=SimpleNamespace(strategy=strategies.strategy("bounded-delay")),
+        optimizer=SimpleNamespace(no_sync=_NoSync),
+        options=SimpleNamespace(slow_compute=1.0, slow_until=None, slow_rank=None))
+    runner = StepRunner(job)
+    weight = torch.nn.Parameter(torch.ones(3))
+    return runner, weight
+
+
+def _one_batch(runner, send):
+    runner.open_step(send)
+    runner.micro_left, runner._micro_n, runner._micro_share = 1, 4, 1.0
+
+
+def test_a_failed_send_of_a_bounded_delay_worker_gives_the_round_up_and_never_raises():
+    """The aggregator dead (or the world revoked by a recovery elsewhere) while a worker
+    computed: its job.step, in the user's code, returns the failure for Job.step to recover
+    from instead of raising it there."""
+    runner, weight = _worker_runner()
+    failure = PeerFailure("rank 0 died", rank=0, cause="dead")
+
+    def send(clip, loss_sum):
+        raise failure
+
+    _one_batch(runner, send)
+    outcome = runner.step((weight * 2).sum())
+    assert (outcome.committed, outcome.failure, outcome.given_up) == (False, failure, True)
+    assert not runner.open and weight.grad is not None   # the batch was computed, not sent
+
+
+def test_a_bounded_delay_workers_send_commits_and_other_errors_pass():
+    runner, weight = _worker_runner()
+    sent = []
+    _one_batch(runner, lambda clip, loss_sum: sent.append(loss_sum))
+    assert runner.step((weight * 2).sum()).committed and sent == [24.0]
+    assert not runner.open
+
+    def broken(clip, loss_sum):
+        raise ValueError("a bug is not a peer's failure")
+
+    _one_batch(runner, broken)
+    with pytest.raises(ValueError):
+        runner.step((weight * 2).sum())
+    assert not runner.open

@@ -7,7 +7,8 @@ the process that is rank RANK of its launch (mpirun/mpiexec/srun; never a worker
 join) sends
 itself SIGNAL (default SIGKILL: a crash, no clean-up) when it first reaches PHASE at step
 STEP or later; a signal other than SIGKILL is sent once (SIGUSR1: a stop asked right
-there). Phases: ``gradient`` (before the step's gradient exchange completes), ``plan``
+there). Phases: ``gradient`` (before the step's gradient exchange completes; a
+bounded-delay worker: before it sends its update), ``plan``
 (before a boundary's plan broadcast), ``join`` (before the running job merges with spawned
 joiners), ``state`` (before rank 0 sends the state to joiners), ``recovery`` (on entering
 the recovery from another rank's death), ``formation`` (in a recovery, after the survivors

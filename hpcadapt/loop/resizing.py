@@ -409,8 +409,12 @@ class MembershipChanges:
         self.optimizer.set_extra_slots(self.steps.control_layout().length)
         self.optimizer.ensure_current()
         self._identical_after_resize = None
-        # Under model averaging the replicas differ by design: nothing to compare.
-        if self.options.check_replicas and outcome.ok and self.state.strategy.averages_gradients:
+        # Under model averaging the replicas differ by design: nothing to compare. Under
+        # bounded delay they are rank 0's between rounds (a round given up by a recovery
+        # goes back to the weights of its start everywhere).
+        strategy = self.state.strategy
+        if self.options.check_replicas and outcome.ok and (strategy.averages_gradients
+                                                           or strategy.asynchronous):
             identical = self.replicas_identical()
             if not identical and self.world.rank == 0:
                 log.error("replicas differ after the resize to %d workers", self.world.size)

@@ -16,6 +16,7 @@ from typing import Any, Dict, Iterator, Optional
 import numpy as np
 import torch
 
+from hpcadapt.base import faults
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.collectives import ReduceOp
 from hpcadapt.data.loader import split_micro
@@ -75,6 +76,10 @@ class BoundedDelayRounds:
                     if work is None:
                         break
                     yield from self._worker_batch(worker, work)
+                    if job.restart_pending:
+                        # job.step recovered from a failure of this worker's send: the
+                        # loop's scope trains the round again from the agreed state
+                        return 0
             control = self._round_control(report)
             MPICommunicator(world).allreduce(control, ReduceOp.SUM)
             broadcast_parameters(tensors, root=0, world=world)  # rank 0's model for all
@@ -97,6 +102,7 @@ class BoundedDelayRounds:
         t0 = time.perf_counter()
 
         def send(clip_grad_norm: Optional[float], loss_sum: float) -> None:
+            faults.point("gradient", job.state.step)  # before the update leaves
             if clip_grad_norm is not None:  # each update's gradient, as each step's
                 torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
             compute = time.perf_counter() - t0

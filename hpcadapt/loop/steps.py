@@ -85,17 +85,19 @@ class StepRunner:
         self._send: Optional[Callable[[Optional[float], float], None]] = None
 
     # -- the step in flight, for a recovery ----------------------------------------------
-    def keep_in_flight(self, batches: int) -> None:
+    def keep_in_flight(self, batches: int, weights: bool = False) -> None:
         """At a step's (round's) start: what it may change, for a recovery to undo. The
         user's state and the param groups only when the loop body runs more than once
         before the step commits (micro-batches, a round's batches): with one batch, the
         body after the failed ``job.step`` has not run when the recovery restores, and
-        ``undo_at_next_batch`` covers it (no copy of an EMA model every step)."""
+        ``undo_at_next_batch`` covers it (no copy of an EMA model every step).
+        ``weights``: the parameters and the optimizer's state too (a bounded-delay round
+        applies updates before it commits)."""
         job = self.job
         if job._recoverable:
             self.in_flight = StepCommit.take(job.state.step, job.extra,
                                              job.optimizer.optimizer, job.model,
-                                             user=batches > 1)
+                                             user=batches > 1, weights=weights)
 
     def roll_back(self) -> int:
         """A recovery: the step in flight is given up, this rank goes back to its last
@@ -170,11 +172,13 @@ class StepRunner:
 
     def begin_round(self) -> None:
         """A bounded-delay round's start: its clock, the ramp, the state it may change (a
-        worker's batches: the loop body runs often), no gradient statistics."""
+        worker's batches: the loop body runs often; the aggregator's updates and the
+        models the workers pull: a round given up is trained again from the weights every
+        rank holds now), no gradient statistics."""
         self._t_start = time.perf_counter()
         self.monitored = False
         self.follow_ramp()
-        self.keep_in_flight(batches=2)
+        self.keep_in_flight(batches=2, weights=True)
 
     def _begin_step(self):
         job = self.job
@@ -264,6 +268,10 @@ class StepRunner:
                 send = self._send
                 try:
                     send(clip_grad_norm, self.loss_sum)
+                except world_mod.FAILURES as exc:
+                    # The aggregator died, or a recovery elsewhere revoked the world, while
+                    # this worker computed: the round is given up, as a failed exchange.
+                    return StepOutcome(committed=False, failure=exc, given_up=True)
                 finally:
                     self.close_step()
                 return StepOutcome(committed=True)

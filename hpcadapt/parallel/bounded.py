@@ -378,13 +378,22 @@ class AsyncWorker:
     def send_update(self, batch_id: int, samples: int, loss_sum: float,
                     compute_s: float) -> None:
         """Send the gradient in ``.grad`` (and the floating buffers) without waiting."""
-        self._finish_sends()  # the previous update's buffers are free again
+        try:
+            self._finish_sends()  # the previous update's buffers are free again
+        except BaseException:
+            ABANDONED.append(self._sends)  # MPI may still read them until the world goes
+            raise
         head = np.array([self.world.rank, self.version, samples, loss_sum, compute_s,
                          batch_id], dtype=np.float64)
         body = self.flat.update_vector()
         comm = self.world.comm
-        self._sends = [(comm.Isend(head, 0, TAG_UPDATE_HEAD), head),
-                       (comm.Isend(body, 0, TAG_UPDATE_BODY), body)]
+        self._sends = []   # one by one: a send refused (a revoked world) keeps the other's
+        for buf, tag in ((head, TAG_UPDATE_HEAD), (body, TAG_UPDATE_BODY)):
+            try:
+                self._sends.append((comm.Isend(buf, 0, tag), buf))
+            except BaseException:
+                ABANDONED.append(self._sends)
+                raise
         self.updates += 1
 
     def _finish_sends(self) -> None:

@@ -36,23 +36,37 @@ class StepCommit:
     groups: Optional[List[Dict[str, Any]]]
     buffers: List[torch.Tensor]
     rng: torch.Tensor
+    # The parameters and the optimizer's state: kept only where updates are applied before
+    # the commit (a bounded-delay round's aggregator steps many times in one round).
+    params: Optional[List[torch.Tensor]] = None
+    optimizer_state: Optional[Dict[str, Any]] = None
 
     @classmethod
     def take(cls, step: int, user_state, optimizer: torch.optim.Optimizer,
-             model: nn.Module, *, user: bool = True) -> "StepCommit":
+             model: nn.Module, *, user: bool = True, weights: bool = False) -> "StepCommit":
         """Copies, not references: the step goes on changing the originals. ``user=False``
         keeps only what the step itself changes (buffers, RNG), not what the user's code
-        between batches may (the user's state, the param groups' settings)."""
+        between batches may (the user's state, the param groups' settings); ``weights``
+        keeps the parameters and the optimizer's state too."""
         return cls(step=step, user=copy.deepcopy(user_state.state_dict()) if user else None,
                    groups=_group_values(optimizer) if user else None,
                    buffers=[b.detach().clone() for b in model.buffers()],
-                   rng=torch.get_rng_state())
+                   rng=torch.get_rng_state(),
+                   params=[p.detach().clone() for p in model.parameters()] if weights
+                   else None,
+                   optimizer_state=copy.deepcopy(optimizer.state_dict()) if weights else None)
 
     def restore(self, user_state, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         """Put everything back as it was when the step began (in place, so that references
         the user holds to the objects stay valid)."""
         if self.user is not None:
             user_state.load_state_dict(copy.deepcopy(self.user))
+        if self.optimizer_state is not None:
+            optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+        if self.params is not None:
+            with torch.no_grad():
+                for param, saved in zip(model.parameters(), self.params):
+                    param.copy_(saved)
         for group, values in zip(optimizer.param_groups, self.groups or []):
             group.update(copy.deepcopy(values))
         with torch.no_grad():
