@@ -39,7 +39,7 @@ from hpcadapt.data.loader import ElasticDataLoader, split_micro
 from hpcadapt.loop.boundary import Boundary
 from hpcadapt.adapt.control import StepTimes
 from hpcadapt.adapt.engine import PolicyEngine
-from hpcadapt.loop.failures import FailureHandling
+from hpcadapt.loop.failures import FailureRecovery
 from hpcadapt.loop.resizing import MembershipChanges
 from hpcadapt.adapt.monitors import GradientNoiseScale, MonitorConfig, PreviousGradient
 from hpcadapt.loop.monitoring import Monitoring
@@ -58,7 +58,7 @@ __all__ = ["Job", "JobOptions", "StepTimes"]
 log = logging.getLogger(__name__)
 
 
-class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndCheckpoints):
+class Job(Boundary, MembershipChanges, Monitoring, StopsAndCheckpoints):
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
@@ -138,6 +138,7 @@ class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndChec
         self.finished_by_stop_file = False
         self.resizes: List[Dict[str, Any]] = []
         self.steps = StepRunner(self)  # the step in flight and what it leaves behind
+        self.recovery = FailureRecovery(self)  # a peer's death, recovered from in place
         self.rounds = BoundedDelayRounds(self, self.steps)
         self._resumed = False
         self._resumed_at: Optional[int] = None
@@ -412,6 +413,46 @@ class Job(Boundary, MembershipChanges, FailureHandling, Monitoring, StopsAndChec
                 self._leave()
             if not going_on:
                 break
+
+    def _recover(self, exc: BaseException, *, step_given_up: bool = False) -> None:
+        """Recover from a peer's failure (``FailureRecovery.recover``; or the job ends) and
+        act on what it did: the loop's iteration starts again from the agreed state (the
+        step from its cursor, at the new size), the resize is recorded, and with
+        --replace-failed workers are asked for in the dead's place. ``step_given_up``: the
+        death cut a step (round) short, so what the loop body does after that ``job.step``
+        is undone at the next batch; a death at a boundary, in a join or after the step
+        committed leaves the body's work of the committed step."""
+        from hpcadapt.elastic.membership import ResizeOutcome
+
+        done = self.recovery.recover(exc, holds_state=self._holds_state)
+        self._holds_state = True
+        self._restart = True
+        self.steps.recovered(given_up=step_given_up)
+        dead = list(done.dead)
+        self._after_resize(ResizeOutcome(done.old_size, done.new_size,
+                                         f"failure of rank(s) {dead}", 0.0, True), done.started)
+        if self.options.replace_failed and self.elastic is not None:
+            self.request_resize(self.world.size + len(dead), f"replacing failed rank(s) {dead}")
+
+    def _own_the_end(self) -> None:
+        """Rank 0 died and this worker took its role: a joiner no longer, it owns the
+        checkpoint and the end of the job."""
+        self.joining = False
+
+    def _agree_on_the_end(self) -> bool:
+        """ULFM: no rank leaves before every rank has reached the end (a barrier bounded by
+        the peers' watch). A death in the last step's exchange can let some ranks complete
+        it (ULFM's collectives may complete on some members and fail on others): without
+        this they would leave while the others wait for them in the shrink. The barrier
+        cannot complete while a peer is dead or recovering (its revoke interrupts it), so
+        either all pass or all recover, taking the state of the one furthest on. Returns
+        whether a recovery happened (training goes on from the agreed state)."""
+        if not (world_mod.ULFM and self.recovery.recoverable and self.world.size > 1):
+            return False
+        with self._recovery_scope():
+            world_mod.wait_request(self.world.comm.Ibarrier(), self.world.watch,
+                                   "the end of training")
+        return self._take_restart()
 
     def _hook_in_scope(self, name: str) -> bool:
         """An epoch-level hook (before and after training and each epoch) inside the loop's

@@ -16,10 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # by four files). Repaid since: sink, _epoch_logged, _epoch_samples (loop/recording.py),
 # _prev_grads, _prev_count (adapt/monitors.PreviousGradient); the step in flight, its
 # timings, control values and micro-batch counters, 23 of them (loop/steps.StepRunner,
-# loop/rounds.BoundedDelayRounds).
+# loop/rounds.BoundedDelayRounds); _restart and joining, once the recovery became a
+# collaborator that returns what it did (loop/failures.FailureRecovery).
 SHARED = {
-    "_holds_state", "_identical_after_resize", "_queued_hooks", "_requeue", "_restart",
-    "_resumed_at", "allocator", "elastic", "exit_code", "finished_by_stop_file", "joining",
+    "_holds_state", "_identical_after_resize", "_queued_hooks", "_requeue",
+    "_resumed_at", "allocator", "elastic", "exit_code", "finished_by_stop_file",
     "left", "stopped",
 }
 
@@ -29,6 +30,7 @@ COLLABORATORS = {
     "hpcadapt/loop/steps.py": "StepRunner",
     "hpcadapt/loop/rounds.py": "BoundedDelayRounds",
     "hpcadapt/loop/recording.py": "Recorder",
+    "hpcadapt/loop/failures.py": "FailureRecovery",
 }
 
 

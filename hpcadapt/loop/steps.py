@@ -94,7 +94,7 @@ class StepRunner:
         ``weights``: the parameters and the optimizer's state too (a bounded-delay round
         applies updates before it commits)."""
         job = self.job
-        if job._recoverable:
+        if job.recovery.recoverable:
             self.in_flight = StepCommit.take(job.state.step, job.extra,
                                              job.optimizer.optimizer, job.model,
                                              user=batches > 1, weights=weights)

@@ -1,5 +1,6 @@
-"""How training stops and resumes: a stop signal or file, divergence, checkpoints (periodic and
-at a stop), the resume, and the end of the job (summary, exit code).
+"""How training stops and resumes: a stop signal or file, divergence, a peer's failure that
+cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the end of the
+job (summary, exit code).
 
 A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
 ``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
@@ -11,11 +12,12 @@ import logging
 import json
 import os
 import sys
+import time
 from typing import Any, Dict
 
-from hpcadapt.base import agent_files as agent
+from hpcadapt.base import agent_files as agent, lifecycle
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
-from hpcadapt.base.metrics import ResumeRecord, StopRecord, json_safe
+from hpcadapt.base.metrics import FailureRecord, ResumeRecord, StopRecord, json_safe
 from hpcadapt.base.preemption import EXIT_REQUEUE
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
@@ -28,8 +30,9 @@ log = logging.getLogger("hpcadapt.job")
 
 
 class StopsAndCheckpoints:
-    """How training stops and resumes: a stop signal or file, divergence, checkpoints
-    (periodic and at a stop), the resume, and the end of the job (summary, exit code)."""
+    """How training stops and resumes: a stop signal or file, divergence, a peer's failure
+    that cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the
+    end of the job (summary, exit code)."""
 
     def _resume(self, path: str) -> bool:
         """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
@@ -93,6 +96,58 @@ class StopsAndCheckpoints:
                                    signal=why, saved=saved,
                                    checkpoint=self.options.checkpoint if saved else None,
                                    requeue=requeue, cluster_version=self.world.cluster_version))
+
+    def _fail(self, exc: BaseException) -> None:
+        """A peer died (or stayed silent past the deadline) in the middle of a step or a
+        resize. The world's communicator cannot be used any more (MPICH neither errors nor
+        completes a collective with a dead peer), so this rank ends the job: rank 0 saves
+        the last committed state (the step in flight has changed nothing yet: the optimizer
+        has not stepped, the cursor not moved) to --checkpoint, and every survivor exits
+        with 75 so that the job script requeues and resumes from it. Never returns."""
+        st = self.state
+        exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
+        detected = time.time()
+        who = f"rank {exc.rank}" if exc.rank >= 0 else "a peer"
+        log.error("%s of %d failed at step %d (%s); detected at %s: ending the job", who,
+                  self.world.size, st.step if st else 0, exc,
+                  time.strftime("%H:%M:%S", time.localtime(detected)) +
+                  f".{int(detected * 1000) % 1000:03d}")
+        code = EXIT_REQUEUE
+        if self.world.rank == 0 and st is not None:
+            self.recorder.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
+                                          step=st.step, epoch=st.epoch,
+                                          world_size=self.world.size, detected_unix=detected,
+                                          waited_s=exc.waited_s,
+                                          cluster_version=self.world.cluster_version))
+            saved = False
+            if self.options.checkpoint and not self.joining:
+                self.stopped = "peer failure"
+                saved = self._save_for_stop(f"the failure of {who}")
+                if not saved:
+                    code = 1
+            else:
+                log.error("nothing saved (%s): the state of step %d is lost; exit %d",
+                          "no --checkpoint" if not self.options.checkpoint else
+                          "a joined worker does not save", st.step, code)
+            self._record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
+        self.recorder.close()
+        if self._sample_file is not None:
+            self._sample_file.close()
+        self._close_loader()
+        if self.elastic is not None and self.world.rank == 0:
+            self.elastic.stop_spares()
+            for w in self.elastic.pending.workers if self.elastic.pending is not None else []:
+                w.stop()
+            self.elastic.remove_join_folders()  # a pending grow's (its joiners are stopped)
+        if self.allocator is not None:
+            try:
+                self.allocator.close(10.0)   # joined workers end on their own; then killed
+            except Exception as err:  # pragma: no cover - best effort on the way out
+                log.error("could not stop the joined workers: %s", err)
+        if self.world.rank == 0:
+            agent.record_exit_code(code)
+        world_mod.leave_with_launch_siblings(5.0)
+        lifecycle.end_process(code)
 
     def _stop_for_divergence(self) -> None:
         """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps (updates
