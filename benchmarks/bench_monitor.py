@@ -86,7 +86,7 @@ def main() -> None:
     for i in range(total):
         name = NAMES[i % len(NAMES)]
         nth = i // len(NAMES)
-        job.monitor_cfg = config_for(name, nth)  # read when the loader starts the step
+        job.monitoring.config = config_for(name, nth)  # read when the loader starts the step
         t0 = time.perf_counter()
         x, y = next(batches)
         job.step(loss_fn(model(x), y))

@@ -41,7 +41,7 @@ from hpcadapt.adapt.control import StepTimes
 from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.loop.failures import FailureRecovery
 from hpcadapt.loop.resizing import MembershipChanges
-from hpcadapt.adapt.monitors import GradientNoiseScale, MonitorConfig, PreviousGradient
+from hpcadapt.adapt.monitors import GradientNoiseScale
 from hpcadapt.loop.monitoring import Monitoring
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.loop.rounds import BoundedDelayRounds
@@ -58,7 +58,7 @@ __all__ = ["Job", "JobOptions", "StepTimes"]
 log = logging.getLogger(__name__)
 
 
-class Job(Boundary, MembershipChanges, Monitoring, StopsAndCheckpoints):
+class Job(Boundary, MembershipChanges, StopsAndCheckpoints):
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
@@ -139,11 +139,11 @@ class Job(Boundary, MembershipChanges, Monitoring, StopsAndCheckpoints):
         self.resizes: List[Dict[str, Any]] = []
         self.steps = StepRunner(self)  # the step in flight and what it leaves behind
         self.recovery = FailureRecovery(self)  # a peer's death, recovered from in place
+        self.monitoring = Monitoring(self)  # noise scale, timings, snapshot, metrics lines
         self.rounds = BoundedDelayRounds(self, self.steps)
         self._resumed = False
         self._resumed_at: Optional[int] = None
         self._queued_hooks: List[tuple] = []
-        self.previous_gradient = PreviousGradient()  # one replica's noise-scale estimate
         # Set by a recovery: the loop iteration it cut short starts again from the state the
         # survivors agreed on (read once, by the loop's scope: _take_restart).
         self._restart = False
@@ -200,9 +200,7 @@ class Job(Boundary, MembershipChanges, Monitoring, StopsAndCheckpoints):
         hyper = HyperParams(batch_size=loader.batch_size, lr=reference_lr(group),
                             momentum=float(momentum_of(group)), base_lr=reference_lr(group),
                             base_batch_size=loader.batch_size)
-        monitors = list(dict.fromkeys(list(o.monitors) + self.engine.required_monitors))
-        self.monitor_cfg = MonitorConfig(tuple(monitors), self._monitor_interval(),
-                                         o.monitor_ema, o.monitor_window)
+        self.monitoring.configure()
         self.state = TrainingState(model, optimizer, loader.sampler, hyper,
                                    GradientNoiseScale(o.monitor_ema, o.monitor_window),
                                    self.extra, self.engine)
@@ -306,6 +304,35 @@ class Job(Boundary, MembershipChanges, Monitoring, StopsAndCheckpoints):
         update uses every param group's rate times it, while ``param_groups`` keep the rates
         your optimizer and scheduler set (1 before ``setup``)."""
         return self.state.rate_factor() if self.state is not None else 1.0
+
+    # -- records and checks, on every rank (loop/monitoring.py) -----------------------------
+    def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: Any) -> None:
+        """Record the epoch that just ended (call on every rank, inside ``job.epochs()``):
+        the metrics line, the log, and the accuracy the policies see. Other keywords are
+        the user's own metrics (``ema_accuracy=0.91``): numbers, kept in the epoch line
+        and, the last of each, in the summary. Raises ConfigurationError for a value that
+        is not a number or a name that is a built-in field of the epoch line."""
+        self.monitoring.log_epoch(test_accuracy=test_accuracy, **extra)
+
+    def log_eval(self, **metrics: Any) -> None:
+        """Record an evaluation made during training (call on every rank, after a step;
+        rank 0 writes): one ``"event": "eval"`` line of the metrics file with the committed
+        ``step``, ``samples`` (``job.samples_seen``), ``epoch_progress``, the global
+        ``batch_size``, the ``lr`` of the last step, and ``metrics`` as floats
+        (``job.log_eval(val_loss=1.9, val_accuracy=0.42)``). Nothing is printed (it may run
+        often); the summary is not changed. Raises ConfigurationError for a value that is
+        not a number or a name that is a built-in field of the eval line."""
+        self.monitoring.log_eval(**metrics)
+
+    def replicas_identical(self) -> bool:
+        """Whether every rank holds bit-identical parameters and buffers (one small
+        allreduce; call on every rank)."""
+        return self.monitoring.replicas_identical()
+
+    def model_digest(self) -> str:
+        """A hash of this rank's parameters and buffers (hex): equal digests, identical
+        replicas."""
+        return self.monitoring.model_digest()
 
     def step(self, loss: torch.Tensor, *, clip_grad_norm: Optional[float] = None,
              scaler: Optional[Any] = None) -> bool:

@@ -147,7 +147,7 @@ def test_the_model_is_causal():
 
 
 def test_log_eval_writes_one_eval_line(tmp_path):
-    """``Monitoring.log_eval`` on a stand-in for the job's state: the line's fields."""
+    """``Monitoring.log_eval`` on a stand-in for the job's parts: the line's fields."""
     from hpcadapt.loop.monitoring import Monitoring
     from hpcadapt.loop.recording import Recorder
 
@@ -155,14 +155,16 @@ def test_log_eval_writes_one_eval_line(tmp_path):
     st = types.SimpleNamespace(step=12, epoch=1, hyper=types.SimpleNamespace(batch_size=48))
     job = types.SimpleNamespace(
         _require_setup=lambda: st, samples_seen=1500, epoch_progress=1.25,
-        _last_lr=lambda: 0.002, recorder=Recorder(str(path), enabled=True),
+        steps=types.SimpleNamespace(last_rate=lambda: 0.002),
+        recorder=Recorder(str(path), enabled=True),
         world=types.SimpleNamespace(size=2, rank=0, cluster_version=3))
-    Monitoring.log_eval(job, val_loss=torch.tensor(1.5), val_accuracy=np.float32(0.5), n=3)
+    monitoring = Monitoring(job)
+    monitoring.log_eval(val_loss=torch.tensor(1.5), val_accuracy=np.float32(0.5), n=3)
     with pytest.raises(ConfigurationError, match="log_eval: the metric name 'samples' is a "
                                                  "built-in field of the eval record"):
-        Monitoring.log_eval(job, samples=1)
+        monitoring.log_eval(samples=1)
     with pytest.raises(ConfigurationError, match="log_eval: the metric 'note' is a str"):
-        Monitoring.log_eval(job, note="x")
+        monitoring.log_eval(note="x")
     job.recorder.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 1

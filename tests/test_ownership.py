@@ -31,6 +31,7 @@ COLLABORATORS = {
     "hpcadapt/loop/rounds.py": "BoundedDelayRounds",
     "hpcadapt/loop/recording.py": "Recorder",
     "hpcadapt/loop/failures.py": "FailureRecovery",
+    "hpcadapt/loop/monitoring.py": "Monitoring",
 }
 
 

@@ -34,7 +34,7 @@ class Boundary:
         whether training goes on in this epoch."""
         st = self.state
         self.recorder.count_step(count, self.steps.last_loss)
-        self._log_step(count)
+        self.monitoring.log_step(count)
         if self.steps.stop_requested:
             self._stop_for_signal()
             return False
@@ -87,7 +87,7 @@ class Boundary:
         plan_text = ""
         snap = decisions = None
         if self.world.rank == 0:
-            snap = self.snapshot()
+            snap = self.monitoring.snapshot()
             decisions = self.engine.decide(name, snap, **extra)
             if decisions:
                 plan_text = self.engine.plan(decisions, snap, self.world.cluster_version).to_json()

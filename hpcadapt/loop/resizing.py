@@ -420,7 +420,7 @@ class MembershipChanges:
                 log.error("replicas differ after the resize to %d workers", self.world.size)
             self._identical_after_resize = identical
         self.steps.resized()
-        self.previous_gradient.forget()
+        self.monitoring.previous_gradient.forget()
         now = time.perf_counter()
         outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
                           decision_to_first_step_s=now - decided_at)

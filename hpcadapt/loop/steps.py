@@ -199,7 +199,7 @@ class StepRunner:
         self._walk_cursor = st.sampler.cursor + part.global_count
         self.part = part
         opt = job.optimizer
-        cfg = job.monitor_cfg
+        cfg = job.monitoring.config
         self.monitored = cfg.enabled and (st.step + 1) % cfg.interval == 0
         opt.track_grad_norms = self.monitored and world.size > 1
         opt.set_local_weight(part.weight)
@@ -324,8 +324,8 @@ class StepRunner:
                     grads_finite = all(bool(torch.isfinite(g).all())
                                        for g in job.optimizer.flat_gradients())
             if self.monitored and grads_finite:
-                job._update_monitors(stats, self.part.global_count)
-            job._keep_previous_gradients(self.part.global_count)
+                job.monitoring.update(stats, self.part.global_count)
+            job.monitoring.keep_previous_gradients(self.part.global_count)
             if clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
             with rates_scaled(inner, st.rate_factor()):
@@ -336,10 +336,11 @@ class StepRunner:
             if scaler is not None:
                 scaler.update()
                 if float(scaler.get_scale()) < scale:
-                    job.previous_gradient.forget()  # an overflow: nothing to compare with
+                    # an overflow: nothing to compare with
+                    job.monitoring.previous_gradient.forget()
         else:
             self.nonfinite_run += 1
-            job.previous_gradient.forget()
+            job.monitoring.previous_gradient.forget()
             if world.rank == 0:
                 log.warning("step %d: the loss or gradient is not finite (loss %s); the update "
                             "is skipped (%d in a row)", st.step, self.last_loss,
@@ -376,6 +377,11 @@ class StepRunner:
         self.step_time = time.perf_counter() - self._t_start
         job.world.watch.note_step(self.step_time / max(steps, 1))
         self.last_count = count
+
+    def last_rate(self) -> float:
+        """The optimizer's rate at its last update (its rate now before the first)."""
+        used = self.used_settings or optimizer_settings(self.job.optimizer.optimizer)
+        return used["lr"]
 
     def _record_settings(self) -> None:
         """The optimizer's settings as the update applies them (the policies' factor on the

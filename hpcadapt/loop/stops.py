@@ -22,7 +22,7 @@ from hpcadapt.base.preemption import EXIT_REQUEUE
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 from hpcadapt.data.loader import sweep_dead_worker_dirs
-from hpcadapt.state.training import checkpoint_step, optimizer_settings
+from hpcadapt.state.training import checkpoint_step
 
 __all__ = ["StopsAndCheckpoints"]
 
@@ -208,16 +208,11 @@ class StopsAndCheckpoints:
                     name, st.epoch, st.step, path)
         return True
 
-    def _last_lr(self) -> float:
-        """The optimizer's rate at its last update (its rate now before the first)."""
-        used = self.steps.used_settings or optimizer_settings(self.optimizer.optimizer)
-        return used["lr"]
-
     def summary(self) -> Dict[str, Any]:
         st = self._require_setup()
         return json_safe({"final_test_accuracy": st.last_accuracy, "steps": st.step,
                         "epochs": st.epoch, "world_size": self.world.size,
-                        "batch_size": st.hyper.batch_size, "lr": self._last_lr(),
+                        "batch_size": st.hyper.batch_size, "lr": self.steps.last_rate(),
                         "left": self.left, "cluster_version": self.world.cluster_version,
                         "resizes": self.resizes, "stopped": self.stopped,
                         "strategy": st.strategy.name, "model_digest": self.model_digest(),
