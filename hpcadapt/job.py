@@ -33,10 +33,11 @@ from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.base.options import JobOptions, refuse_inconsistent
 from hpcadapt.base.preemption import StopSignals
 from hpcadapt.base import strategies
+from hpcadapt.base.strategies import Strategy, registered
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.data.loader import ElasticDataLoader, split_micro
-from hpcadapt.loop.boundary import Boundary
+from hpcadapt.loop.adaptation import Adaptation
 from hpcadapt.adapt.control import StepTimes
 from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.loop.failures import FailureRecovery
@@ -58,7 +59,7 @@ __all__ = ["Job", "JobOptions", "StepTimes"]
 log = logging.getLogger(__name__)
 
 
-class Job(Boundary, MembershipChanges, StopsAndCheckpoints):
+class Job(MembershipChanges, StopsAndCheckpoints):
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
@@ -140,6 +141,7 @@ class Job(Boundary, MembershipChanges, StopsAndCheckpoints):
         self.steps = StepRunner(self)  # the step in flight and what it leaves behind
         self.recovery = FailureRecovery(self)  # a peer's death, recovered from in place
         self.monitoring = Monitoring(self)  # noise scale, timings, snapshot, metrics lines
+        self.adaptation = Adaptation(self)  # the policies' plans; the hyper-parameters' writer
         self.rounds = BoundedDelayRounds(self, self.steps)
         self._resumed = False
         self._resumed_at: Optional[int] = None
@@ -481,11 +483,76 @@ class Job(Boundary, MembershipChanges, StopsAndCheckpoints):
                                    "the end of training")
         return self._take_restart()
 
+    def _boundary(self, count: int, *, round_end: bool = False) -> bool:
+        """Between two steps, on every rank: metrics, stop, policies, resizes. Returns
+        whether training goes on in this epoch."""
+        st = self.state
+        self.recorder.count_step(count, self.steps.last_loss)
+        self.monitoring.log_step(count)
+        if self.steps.stop_requested:
+            self._stop_for_signal()
+            return False
+        if self.steps.nonfinite_run >= self.options.max_nonfinite_steps:
+            self._stop_for_divergence()
+            return False
+        if self.steps.finish_requested:
+            self.finished_by_stop_file = True
+            if self.world.rank == 0:
+                log.info("stop file %s found at step %d: training ends here",
+                         self.options.stop_file, st.step)
+            return False
+        if self._max_steps_reached():
+            return False
+        every = self.options.checkpoint_every
+        # the steps this boundary closes: one, or a bounded-delay round's
+        closed = max(1, -(-count // st.hyper.batch_size))
+        # (not while the loss is non-finite: the last good save is not written over)
+        if every and self.options.checkpoint and self.world.rank == 0 \
+                and st.step // every > (st.step - closed) // every and not self.steps.nonfinite_run:
+            self._save_periodically()
+        # A recovery inside a hook or the grow's poll ends the boundary at once: the other
+        # survivors may already be in the next step, which every rank then starts afresh
+        # (another collective of this boundary would meet no partner).
+        queued, self._queued_hooks = self._queued_hooks, []
+        for name, extra in queued:
+            self.adaptation.hook(name, **extra)
+            if self.left:
+                return False
+        if self.engine.active and (round_end or self.engine.due(st.step, self.steps.monitored)):
+            self.adaptation.hook("after_step")
+        if not self.left:
+            self._poll_elastic()
+        if self.allocator is not None:
+            self.allocator.reap()  # launchers of workers that exited: no zombies
+        return not self.left
+
+    def _over(self) -> bool:
+        return bool(self.left or self.stopped or self.finished_by_stop_file
+                    or self._max_steps_reached())
+
+    def _max_steps_reached(self) -> bool:
+        return self.options.max_steps is not None and self.state.step >= self.options.max_steps
+
+    def switch_strategy(self, strategy: Strategy, reason: str = "user request") -> None:
+        """Change the synchronisation strategy from the next step on; call on every rank at
+        the same point between steps (policies do it through a plan). A peer that dies in
+        it is recovered from here; the old strategy stays."""
+        registered(strategy)  # one line, on every rank alike, before any collective
+        with self._recovery_scope():
+            self.adaptation.switch_strategy(strategy, reason)
+
+    def switch_topology(self, topology: str, reason: str = "user request") -> None:
+        """The gradients' allreduce topology from the next step on (``hpcadapt.comm.topology``:
+        flat, hierarchical, ring, tree); every rank at the same point between steps. The
+        new communicators are built collectively before the next step's first allreduce;
+        the cluster version goes up."""
+        self.adaptation.switch_topology(topology, reason)
+
     def _hook_in_scope(self, name: str) -> bool:
         """An epoch-level hook (before and after training and each epoch) inside the loop's
         recovery scope; whether a recovery cut it short."""
         with self._recovery_scope():
-            self._hook(name)
+            self.adaptation.hook(name)
         return self._take_restart()
 
     def _recovery_scope(self) -> RecoveryScope:

@@ -17,10 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # _prev_grads, _prev_count (adapt/monitors.PreviousGradient); the step in flight, its
 # timings, control values and micro-batch counters, 23 of them (loop/steps.StepRunner,
 # loop/rounds.BoundedDelayRounds); _restart and joining, once the recovery became a
-# collaborator that returns what it did (loop/failures.FailureRecovery).
+# collaborator that returns what it did (loop/failures.FailureRecovery); _queued_hooks and
+# finished_by_stop_file, once the boundary's loop control moved into job.py and the
+# policies' plans into loop/adaptation.Adaptation.
 SHARED = {
-    "_holds_state", "_identical_after_resize", "_queued_hooks", "_requeue",
-    "_resumed_at", "allocator", "elastic", "exit_code", "finished_by_stop_file",
+    "_holds_state", "_identical_after_resize", "_requeue",
+    "_resumed_at", "allocator", "elastic", "exit_code",
     "left", "stopped",
 }
 
@@ -32,6 +34,7 @@ COLLABORATORS = {
     "hpcadapt/loop/recording.py": "Recorder",
     "hpcadapt/loop/failures.py": "FailureRecovery",
     "hpcadapt/loop/monitoring.py": "Monitoring",
+    "hpcadapt/loop/adaptation.py": "Adaptation",
 }
 
 
@@ -146,3 +149,44 @@ def test_the_reader_sees_assignments_of_every_kind():
     code = ("class A:\n def f(self, o):\n  self.a = 1\n  self.b += 1\n  self.c: int = 2\n"
             "  self.d, (self.e, x) = 1, (2, 3)\n  y = self.f\n  o.g = 3\n")
     assert set(self_writes(ast.parse(code))) == {"a", "b", "c", "d", "e"}
+
+
+HYPER_FIELDS = {"batch_size", "lr", "momentum", "base_lr", "base_batch_size", "ramp"}
+# The training state creates and restores them (a checkpoint, a joiner's or a survivor's state);
+# between steps only the adaptation writes them.
+HYPER_WRITERS = {"hpcadapt/state/training.py", "hpcadapt/loop/adaptation.py"}
+
+
+def hyper_writes(tree):
+    """(line, what) of each assignment to ``<x>.hyper`` or to a field of the hyper-parameters
+    through ``<x>.hyper.<field>`` or a name bound to ``<x>.hyper`` (``h = st.hyper``)."""
+    aliases = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+               and isinstance(n.value, ast.Attribute) and n.value.attr == "hyper"
+               for t in n.targets if isinstance(t, ast.Name)}
+    for a in _assigned_attributes(tree):
+        if a.attr == "hyper":
+            yield a.lineno, "hyper"
+        elif a.attr in HYPER_FIELDS and (
+                (isinstance(a.value, ast.Attribute) and a.value.attr == "hyper")
+                or (isinstance(a.value, ast.Name) and a.value.id in aliases)):
+            yield a.lineno, f"hyper.{a.attr}"
+
+
+def test_the_adaptation_is_the_one_writer_of_the_hyper_parameters():
+    found = []
+    for folder, _, names in os.walk(os.path.join(ROOT, "hpcadapt")):
+        for name in names:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, ROOT)
+            if not name.endswith(".py") or rel in HYPER_WRITERS:
+                continue
+            tree = ast.parse(open(path, encoding="utf-8").read())
+            found += [f"{rel}:{line}: {what}" for line, what in hyper_writes(tree)]
+    assert not found, "the hyper-parameters written outside the adaptation: " + "; ".join(found)
+
+
+def test_the_hyper_parameter_reader_sees_aliases_and_plain_writes():
+    code = ("def f(st, job):\n h = st.hyper\n h.lr = 1\n job.state.hyper.batch_size = 2\n"
+            " st.hyper = 3\n other = st.sampler\n other.lr = 4\n")
+    assert sorted(hyper_writes(ast.parse(code))) == [(3, "hyper.lr"), (4, "hyper.batch_size"),
+                                                     (5, "hyper")]

@@ -160,16 +160,6 @@ class StepRunner:
                 raise ConfigurationError("call job.step(loss) once for every batch the "
                                          "loader yields")
 
-    def follow_ramp(self) -> None:
-        """The reference rate of this step (a batch change's ramp moves it); the update
-        applies it on top of the user's rates (``rates_scaled``)."""
-        st = self.job.state
-        h = st.hyper
-        if h.ramp is not None:
-            h.lr = h.lr_at(st.step)
-            if st.step - h.ramp[0] >= h.ramp[1]:
-                h.ramp = None
-
     def begin_round(self) -> None:
         """A bounded-delay round's start: its clock, the ramp, the state it may change (a
         worker's batches: the loop body runs often; the aggregator's updates and the
@@ -177,7 +167,7 @@ class StepRunner:
         rank holds now), no gradient statistics."""
         self._t_start = time.perf_counter()
         self.monitored = False
-        self.follow_ramp()
+        self.job.adaptation.follow_ramp()
         self.keep_in_flight(batches=2, weights=True)
 
     def _begin_step(self):
@@ -186,7 +176,7 @@ class StepRunner:
         o = job.options
         world = job.world
         self._t_start = time.perf_counter()
-        self.follow_ramp()
+        self.job.adaptation.follow_ramp()
         part = st.sampler.peek(st.hyper.batch_size, world.rank, world.size)
         micro = split_micro(part.indices, o.max_local_batch)
         # before a loader restart (its workers' seeds) and forward (buffers) use the RNG

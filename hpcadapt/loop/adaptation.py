@@ -1,0 +1,211 @@
+"""Adaptation at the step boundary: rank 0 decides with the policies, one broadcast, every rank
+applies the same plan (hyper-parameters, strategy, topology, a resize asked for).
+
+``Adaptation`` is the Job's collaborator for it and the one writer of the hyper-parameters
+(``state.hyper``): a plan's batch, rate, momentum and ramp, and the ramp's rate at each step.
+It reads the job's parts (options, world, state, policy engine, optimizer, recorder,
+monitoring) and assigns none of the Job's attributes."""
+
+from __future__ import annotations
+
+import logging
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from hpcadapt.base import faults
+from hpcadapt.base.errors import HpcAdaptError
+from hpcadapt.base.metrics import DecisionRecord, StrategyRecord, TopologyRecord
+from hpcadapt.base.plan import Plan
+from hpcadapt.base.strategies import Strategy
+from hpcadapt.comm import world as world_mod
+from hpcadapt.comm.tell import root_tells
+
+__all__ = ["Adaptation"]
+
+log = logging.getLogger("hpcadapt.job")
+
+
+class Adaptation:
+    """The policies' decision at a step boundary and the plan applied on every rank; the
+    learning-rate ramp a batch change starts."""
+
+    def __init__(self, job):
+        self.job = job
+
+    def follow_ramp(self) -> None:
+        """The reference rate of this step (a batch change's ramp moves it); the update
+        applies it on top of the user's rates (``rates_scaled``)."""
+        st = self.job.state
+        h = st.hyper
+        if h.ramp is not None:
+            h.lr = h.lr_at(st.step)
+            if st.step - h.ramp[0] >= h.ramp[1]:
+                h.ramp = None
+
+    def hook(self, name: str, **extra: Any) -> None:
+        """Rank 0 decides with the policies; every rank applies the same plan. A peer's
+        failure goes to the loop's recovery scope."""
+        job = self.job
+        if not job.engine.active:
+            return
+        plan_text = ""
+        snap = decisions = None
+        if job.world.rank == 0:
+            snap = job.monitoring.snapshot()
+            decisions = job.engine.decide(name, snap, **extra)
+            if decisions:
+                plan_text = job.engine.plan(decisions, snap, job.world.cluster_version).to_json()
+        faults.point("plan", job.state.step)
+        plan_text = root_tells(plan_text or None, job.world, what="the plan's broadcast")
+        if plan_text:
+            self._apply_decided_plan(plan_text, snap, decisions)
+
+    def _apply_decided_plan(self, plan_text: str, snap, decisions) -> None:
+        """Every rank: the plan rank 0 broadcast, checked, recorded (rank 0) and applied."""
+        job = self.job
+        plan = Plan.from_json(plan_text)
+        if plan.version != job.world.cluster_version:
+            raise HpcAdaptError(f"a plan of cluster version {plan.version} reached version "
+                                f"{job.world.cluster_version}")
+        if job.world.rank == 0:
+            for d in plan.decisions:
+                job.recorder.write(DecisionRecord(
+                    step=snap.step, epoch=snap.epoch, policy=d["policy"], changes=d["changes"],
+                    reason=d["reason"], metrics=d["metrics"], world_size=job.world.size,
+                    batch_size=plan.batch_size or snap.batch_size,
+                    lr=plan.lr or (plan.ramp[3] if plan.ramp else snap.lr)))
+                log.info("decision at step %d by %s: %s (%s)", snap.step, d["policy"],
+                         d["changes"], d["reason"])
+        if job.world.rank == 0:
+            job.engine.told(decisions, snap)
+        # The policies' state after a decision goes to every rank (one small broadcast per
+        # decision, in the world that decided, before a resize changes it): a worker that
+        # becomes the coordinator (rank 0 died) then holds it as of the last decision, so no
+        # decision already applied is taken again.
+        state = root_tells(job.engine.state_dict() if job.world.rank == 0 else None,
+                           job.world, what="the policies' state")
+        if job.world.rank != 0:
+            job.engine.load_state_dict(state)
+        self.apply_plan(plan)
+
+    def apply_plan(self, plan: Plan) -> None:
+        """The hyper-parameters change together; then a resize, if asked for."""
+        job = self.job
+        h = job.state.hyper
+        new = replace(h)
+        if plan.batch_size is not None:
+            new.batch_size = plan.batch_size
+        if plan.momentum is not None:
+            new.momentum = plan.momentum
+        if plan.lr is not None:
+            new.lr, new.ramp = plan.lr, None
+            new.base_lr, new.base_batch_size = plan.base_lr, plan.base_batch_size
+        if plan.ramp is not None:
+            new.ramp = tuple(plan.ramp)
+            if plan.ramp[1] == 0:
+                new.lr, new.ramp = plan.ramp[3], None
+        job.state.hyper = new
+        if plan.momentum is not None:
+            self._apply_momentum(plan.momentum)
+        if plan.strategy is not None:
+            # (a peer dying in the switch ends the plan here: the rest was for that world)
+            self.switch_strategy(Strategy.from_dict(plan.strategy), plan.reason or "policy")
+        if plan.topology is not None:
+            self.switch_topology(plan.topology, plan.reason or "policy")
+        if plan.world_size is not None and plan.world_size != job.world.size:
+            job.request_resize(plan.world_size, plan.reason or "policy",
+                                remove=[plan.remove_rank] if plan.remove_rank is not None else None)
+
+    def switch_topology(self, topology: str, reason: str) -> None:
+        """The gradients' allreduce topology from the next step on (``hpcadapt.comm.topology``:
+        flat, hierarchical, ring, tree); every rank at the same point between steps. The
+        new communicators are built collectively before the next step's first allreduce;
+        the cluster version goes up."""
+        from hpcadapt.comm.topology import parse_topology
+
+        job = self.job
+        name = parse_topology(topology).value
+        st = job.state
+        if name == st.topology:
+            return
+        if job.optimizer.data_plane == "nccl":
+            if job.world.rank == 0:
+                log.warning("allreduce topology %s not applied (%s): the gradients travel "
+                            "over NCCL, which routes them itself", name, reason)
+            return
+        old, version = st.topology, job.world.cluster_version
+        st.topology = name
+        job.world.bump_version()
+        if job.world.rank == 0:
+            log.info("allreduce topology %s -> %s at step %d (%s)", old, name, st.step, reason)
+        job.recorder.write(TopologyRecord(step=st.step, epoch=st.epoch, from_=old, to=name,
+                                       reason=reason, previous_cluster_version=version,
+                                       cluster_version=job.world.cluster_version))
+
+    def switch_strategy(self, new: Strategy, reason: str) -> None:
+        """Every rank, at a step boundary. Into S-SGD or bounded delay from model averaging
+        the replicas become one again: the plain average of all models, then rank 0's
+        parameters and optimizer state broadcast (so they are bit-identical whatever the
+        reduction order); out of bounded delay rank 0's optimizer state is broadcast.
+        A peer dying in these collectives goes to the caller's recovery: the plan is then
+        dropped and the old strategy kept (the cluster version went up)."""
+        from hpcadapt.parallel.broadcasts import broadcast_optimizer_state, broadcast_parameters
+
+        job = self.job
+        st = job.state
+        old = st.strategy
+        if new == old:
+            return
+        version = job.world.cluster_version
+        identical = None
+        t0 = time.perf_counter()
+        # Into ssgd, or into bounded delay (which starts from rank 0's model), from a
+        # strategy whose replicas drift apart: the replicas become one (their average).
+        into_one = new.averages_gradients or new.asynchronous
+        drifting = not (old.averages_gradients or old.asynchronous)
+        if into_one and drifting and job.world.size > 1:
+            try:
+                job.optimizer.average_models()
+                broadcast_parameters(list(job.model.parameters()) + list(job.model.buffers()),
+                                     root=0, world=job.world)
+                broadcast_optimizer_state(job.optimizer.optimizer, root=0, world=job.world)
+            except world_mod.FAILURES:
+                # (rank 0 of the world that switched; if it is the one that died, the
+                # recovery's line alone says what happened)
+                if job.world.rank == 0:
+                    log.error("strategy switch %s -> %s discarded (a peer died in it); "
+                              "training goes on with %s after the recovery", old.name,
+                              new.name, old.describe())
+                raise
+            identical = job.monitoring.replicas_identical() if job.options.check_replicas else None
+        elif old.asynchronous and job.world.size > 1:
+            # out of bounded delay: only rank 0's optimizer stepped (the models are rank
+            # 0's since the round's end); its state goes to every rank
+            broadcast_optimizer_state(job.optimizer.optimizer, root=0, world=job.world)
+            identical = job.monitoring.replicas_identical() if job.options.check_replicas else None
+        st.strategy = new
+        job.world.bump_version()
+        if job.world.rank == 0:
+            log.info("strategy %s -> %s at step %d (%s)", old.describe(), new.describe(),
+                     st.step, reason)
+        job.recorder.write(StrategyRecord(step=st.step, epoch=st.epoch, from_=old.to_dict(),
+                                       to=new.to_dict(), reason=reason,
+                                       previous_cluster_version=version,
+                                       cluster_version=job.world.cluster_version,
+                                       switch_s=time.perf_counter() - t0,
+                                       replicas_identical=identical))
+
+    def _apply_momentum(self, momentum: float) -> None:
+        """The plan's momentum into every param group that has one (SGD's)."""
+        job = self.job
+        applied = False
+        for group in job.optimizer.param_groups:
+            if "momentum" in group:
+                group["momentum"] = momentum
+                applied = True
+        if not applied and job.world.rank == 0:
+            log.warning("momentum %.3g not applied: the optimizer (%s) has no SGD momentum "
+                        "(Adam's betas are left as they are)", momentum,
+                        type(job.optimizer.optimizer).__name__)
