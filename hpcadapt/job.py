@@ -48,7 +48,7 @@ from hpcadapt.loop.recording import Recorder
 from hpcadapt.loop.rounds import BoundedDelayRounds
 from hpcadapt.loop.steps import StepRunner
 from hpcadapt.loop import setup_checks
-from hpcadapt.loop.stops import StopsAndCheckpoints
+from hpcadapt.loop.stops import Stops
 from hpcadapt.parallel.optimizer import DistributedOptimizer
 from hpcadapt.state.training import (HyperParams, TrainingState, UserState, momentum_of,
                                      reference_lr)
@@ -59,7 +59,7 @@ __all__ = ["Job", "JobOptions", "StepTimes"]
 log = logging.getLogger(__name__)
 
 
-class Job(MembershipChanges, StopsAndCheckpoints):
+class Job(MembershipChanges):
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
@@ -104,9 +104,10 @@ class Job(MembershipChanges, StopsAndCheckpoints):
             o.stop_signals, saves=bool(o.checkpoint)).install()
         self.world = world_mod.init()
         self.stop_signals.announce = lambda: self.world.rank == 0 and not self.joining
+        self.stops = Stops(self)  # why it stopped, checkpoints, the resume, the exit code
         # A peer that dies during the user's own collective work: saved, exit 75.
         lifecycle.set_failure_handler(
-            lambda exc: self._fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
+            lambda exc: self.stops.fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
         setup_logging(lambda: self.world.rank if self._holds_state else f"joiner {os.getpid()}")
         most = max(self.world.size, o.max_workers or 0, o.initial_workers or 0)
         if o.slow_rank is not None and o.slow_rank >= most and self.world.rank == 0:
@@ -135,7 +136,6 @@ class Job(MembershipChanges, StopsAndCheckpoints):
         self.state: Optional[TrainingState] = None
         self.extra = UserState()
         self.left = False
-        self.stopped: Optional[str] = None
         self.finished_by_stop_file = False
         self.resizes: List[Dict[str, Any]] = []
         self.steps = StepRunner(self)  # the step in flight and what it leaves behind
@@ -144,13 +144,10 @@ class Job(MembershipChanges, StopsAndCheckpoints):
         self.adaptation = Adaptation(self)  # the policies' plans; the hyper-parameters' writer
         self.rounds = BoundedDelayRounds(self, self.steps)
         self._resumed = False
-        self._resumed_at: Optional[int] = None
         self._queued_hooks: List[tuple] = []
         # Set by a recovery: the loop iteration it cut short starts again from the state the
         # survivors agreed on (read once, by the loop's scope: _take_restart).
         self._restart = False
-        self._requeue = True     # whether a stop asks the job script to requeue (exit 75)
-        self.exit_code = 0
         self._sample_file = None
         self._identical_after_resize: Optional[bool] = None
         if o.sample_log:
@@ -214,7 +211,7 @@ class Job(MembershipChanges, StopsAndCheckpoints):
             self._join()
         else:
             if o.checkpoint:
-                self._resumed = self._resume(o.checkpoint)
+                self._resumed = self.stops.resume(o.checkpoint)
             if o.warm_spares and self.elastic is None:
                 raise on_every_rank(ConfigurationError(
                     "--warm-spares needs --max-workers (the allocator that starts them)"))
@@ -306,6 +303,34 @@ class Job(MembershipChanges, StopsAndCheckpoints):
         update uses every param group's rate times it, while ``param_groups`` keep the rates
         your optimizer and scheduler set (1 before ``setup``)."""
         return self.state.rate_factor() if self.state is not None else 1.0
+
+    # -- stops, checkpoints, the end (loop/stops.py) ------------------------------------------
+    @property
+    def stopped(self) -> Optional[str]:
+        """Why training stopped early (a stop signal, divergence, a peer's failure; ending
+        in "NOT saved" when the state could not be saved), or None."""
+        return self.stops.stopped
+
+    @property
+    def exit_code(self) -> int:
+        """What ``finish(exit=False)`` decided: 0, 75 after a stop with the state saved (the
+        job script requeues), 1 when it could not be saved or training diverged."""
+        return self.stops.exit_code
+
+    def save_checkpoint(self, path: str) -> None:
+        """Rank 0: write the whole training state to ``path`` atomically."""
+        self.stops.save_checkpoint(path)
+
+    def summary(self) -> Dict[str, Any]:
+        """What the job did, as rank 0 prints it at the end (JSON-safe)."""
+        return self.stops.summary()
+
+    def finish(self, *, exit: bool = True) -> Dict[str, Any]:
+        """End the job on every rank: rank 0 prints the summary as one line of JSON (and
+        writes ``--summary-json``), the checkpoint of a finished training is removed, MPI
+        is released. After a stop signal it exits with 75 (the job script requeues) or 1
+        when the state could not be saved, unless ``exit=False`` (then see ``exit_code``)."""
+        return self.stops.finish(exit=exit)
 
     # -- records and checks, on every rank (loop/monitoring.py) -----------------------------
     def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: Any) -> None:
@@ -490,10 +515,10 @@ class Job(MembershipChanges, StopsAndCheckpoints):
         self.recorder.count_step(count, self.steps.last_loss)
         self.monitoring.log_step(count)
         if self.steps.stop_requested:
-            self._stop_for_signal()
+            self.stops.stop_for_signal()
             return False
         if self.steps.nonfinite_run >= self.options.max_nonfinite_steps:
-            self._stop_for_divergence()
+            self.stops.stop_for_divergence()
             return False
         if self.steps.finish_requested:
             self.finished_by_stop_file = True
@@ -509,7 +534,7 @@ class Job(MembershipChanges, StopsAndCheckpoints):
         # (not while the loss is non-finite: the last good save is not written over)
         if every and self.options.checkpoint and self.world.rank == 0 \
                 and st.step // every > (st.step - closed) // every and not self.steps.nonfinite_run:
-            self._save_periodically()
+            self.stops.save_periodically()
         # A recovery inside a hook or the grow's poll ends the boundary at once: the other
         # survivors may already be in the next step, which every rank then starts afresh
         # (another collective of this boundary would meet no partner).

@@ -19,11 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # loop/rounds.BoundedDelayRounds); _restart and joining, once the recovery became a
 # collaborator that returns what it did (loop/failures.FailureRecovery); _queued_hooks and
 # finished_by_stop_file, once the boundary's loop control moved into job.py and the
-# policies' plans into loop/adaptation.Adaptation.
+# policies' plans into loop/adaptation.Adaptation; stopped, _requeue, exit_code and
+# _resumed_at, owned by loop/stops.Stops now.
 SHARED = {
-    "_holds_state", "_identical_after_resize", "_requeue",
-    "_resumed_at", "allocator", "elastic", "exit_code",
-    "left", "stopped",
+    "_holds_state", "_identical_after_resize", "allocator", "elastic", "left",
 }
 
 # The Job's collaborators in loop/: each owns the attributes its class assigns on ``self``;
@@ -35,6 +34,7 @@ COLLABORATORS = {
     "hpcadapt/loop/failures.py": "FailureRecovery",
     "hpcadapt/loop/monitoring.py": "Monitoring",
     "hpcadapt/loop/adaptation.py": "Adaptation",
+    "hpcadapt/loop/stops.py": "Stops",
 }
 
 

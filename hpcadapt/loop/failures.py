@@ -3,7 +3,7 @@ without them, and take the state of the one furthest on.
 
 ``FailureRecovery`` is the Job's collaborator for it: ``recover`` returns a typed
 ``Recovered`` outcome for the Job to act on (restart the loop's iteration, record the
-resize, replace the dead), or ends the job through ``job._fail`` (state saved, exit 75)
+resize, replace the dead), or ends the job through ``job.stops.fail`` (state saved, exit 75)
 when the death cannot be survived. It assigns none of the Job's attributes."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Recovered:
 class FailureRecovery:
     """Detect, agree, shrink, survey, take the state of the survivor furthest on (see
     ``recover``). Reads the job's parts (options, world, state, step runner, optimizer,
-    policy engine, recorder, elastic, allocator); ends the job through ``job._fail``."""
+    policy engine, recorder, elastic, allocator); ends the job through ``job.stops.fail``."""
 
     def __init__(self, job):
         self.job = job
@@ -62,7 +62,7 @@ class FailureRecovery:
         of the survivor furthest on (one that finished the step in flight before the others
         noticed is one step ahead; the others have changed nothing yet); the step from that
         state's cursor is trained at the smaller size, so no sample is skipped or trained
-        twice. Returns what it did, or ends the job through ``job._fail`` when the death
+        twice. Returns what it did, or ends the job through ``job.stops.fail`` when the death
         cannot be survived (see ``recovery.unrecoverable``) or the recovery fails.
         ``holds_state``: whether this process holds the training state (a joiner whose
         join the death cut short does not: it takes a survivor's). Under ULFM a death
@@ -75,14 +75,14 @@ class FailureRecovery:
         o, st = job.options, job.state
         exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         if o.on_failure != "recover" or exc.cause not in ("dead", "notice"):
-            job._fail(exc)
+            job.stops.fail(exc)
         if earlier is None:
             earlier = _RecoveryStart(time.perf_counter(), job.world)
         t0, old_size, version = earlier.t0, earlier.old_size, earlier.version
         shrunk = None
 
         def expire(reason: str) -> None:
-            job._fail(world_mod.PeerFailure(reason, cause="timeout"))
+            job.stops.fail(world_mod.PeerFailure(reason, cause="timeout"))
 
         try:
             faults.point("recovery", st.step)  # a second death, during the recovery
@@ -93,7 +93,7 @@ class FailureRecovery:
                 agreement = recovery.agree(job.world, [exc.rank] if exc.rank >= 0 else [],
                                            o.peer_timeout)
         except world_mod.FAILURES as again:
-            job._fail(world_mod.as_failure(again, "the recovery"))
+            job.stops.fail(world_mod.as_failure(again, "the recovery"))
         t_agreed = time.perf_counter()
         this_world = agreement
         agreement = earlier.in_first_world(this_world)  # the dead named in the first world
@@ -101,7 +101,7 @@ class FailureRecovery:
                                      coordinator_may_move=self.coordinator_may_move(),
                                      launch_survives=world_mod.ULFM)
         if why is not None:
-            job._fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
+            job.stops.fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
                                             rank=agreement.dead[0] if agreement.dead else -1,
                                             cause="dead"))
         dead_pids = [earlier.pids[d] for d in agreement.dead]
@@ -136,7 +136,7 @@ class FailureRecovery:
                 again = world_mod.as_failure(again, "the recovery")
                 if not (world_mod.ULFM and again.cause in ("dead", "notice")
                         and earlier.attempts + 1 < old_size):
-                    job._fail(again)
+                    job.stops.fail(again)
                 # The formation cut short: its communicator, with its new dead, is the world
                 # to shrink now (the step in flight was given up already).
                 return self.recover(again, holds_state=holds_state,

@@ -191,7 +191,7 @@ class MembershipChanges:
                         self._record_death_during_join(previous, merged, old, reason)
                         raise
                     if merged is None:
-                        self._fail(exc)  # a rank of the running job itself failed
+                        self.stops.fail(exc)  # a rank of the running job itself failed
                     # A joiner died after it merged: back to the old world, which holds only
                     # the ranks that trained on (their state is untouched); the merged
                     # communicator is left unfreed (freeing it would wait on the dead).
@@ -254,7 +254,7 @@ class MembershipChanges:
             return None
 
         def expire(reason: str) -> None:
-            self._fail(world_mod.PeerFailure(reason, cause="join"))
+            self.stops.fail(world_mod.PeerFailure(reason, cause="join"))
 
         return world_mod.Watchdog(self.options.peer_timeout, "a join", expire, check)
 
@@ -462,7 +462,7 @@ class MembershipChanges:
 
     def _leave(self) -> None:
         """This rank left the job in a shrink: nothing of it is needed any more."""
-        self._close_loader()
+        self.stops.close_loader()
         self.recorder.close()
         if self._sample_file is not None:
             self._sample_file.close()

@@ -1,9 +1,10 @@
-"""How training stops and resumes: a stop signal or file, divergence, a peer's failure that
-cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the end of the
-job (summary, exit code).
+"""How training stops and resumes: a stop signal, divergence, a peer's failure that cannot be
+recovered from, checkpoints (periodic and at a stop), the resume, and the end of the job
+(summary, exit code).
 
-A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
-``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
+``Stops`` is the Job's collaborator for it: it owns why the job stopped, whether a stop asks
+for a requeue, the exit code and the step it resumed at; it reads the job's parts and
+assigns none of the Job's attributes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from hpcadapt.base import agent_files as agent, lifecycle
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
@@ -24,150 +25,163 @@ from hpcadapt.comm.tell import root_tells
 from hpcadapt.data.loader import sweep_dead_worker_dirs
 from hpcadapt.state.training import checkpoint_step
 
-__all__ = ["StopsAndCheckpoints"]
+__all__ = ["Stops"]
 
 log = logging.getLogger("hpcadapt.job")
 
 
-class StopsAndCheckpoints:
-    """How training stops and resumes: a stop signal or file, divergence, a peer's failure
-    that cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the
-    end of the job (summary, exit code)."""
+class Stops:
+    """How training stops and resumes: a stop signal, divergence, a peer's failure that
+    cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the end
+    of the job (summary, exit code)."""
 
-    def _resume(self, path: str) -> bool:
+    def __init__(self, job):
+        self.job = job
+        self.stopped: Optional[str] = None  # why training stopped (None: it did not)
+        self.requeue = True      # whether a stop asks the job script to requeue (exit 75)
+        self.exit_code = 0
+        self.resumed_at: Optional[int] = None  # the step a resume started from
+
+    def resume(self, path: str) -> bool:
         """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
+        job = self.job
         error, found = "", False
-        if self.world.rank == 0 and os.path.exists(path):
+        if job.world.rank == 0 and os.path.exists(path):
             found = True
             try:
-                self.state.load(path, identity=self.identity)
+                job.state.load(path, identity=job.identity)
             except (OSError, ValueError, KeyError, RuntimeError, TypeError,
                     ConfigurationError) as exc:
                 error = (f"cannot resume from {path}: {exc}; remove it or pass another "
                          f"--checkpoint")
-        verdict = root_tells({"error": error, "found": found} if self.world.rank == 0 else None,
-                             self.world, what="the resume's verdict")
+        verdict = root_tells({"error": error, "found": found} if job.world.rank == 0 else None,
+                             job.world, what="the resume's verdict")
         if verdict["error"]:
             raise on_every_rank(ConfigurationError(verdict["error"]))
         if not verdict["found"]:
             return False
-        self._sync_state()
-        self._resumed_at = self.state.step
-        if self.world.rank == 0:
-            log.info("resumed from %s at epoch %d, step %d", path, self.state.epoch,
-                     self.state.step)
-            self.recorder.write(ResumeRecord(step=self.state.step, epoch=self.state.epoch,
-                                         world_size=self.world.size,
-                                         saved_world_size=self.state.world_size,
+        job._sync_state()
+        self.resumed_at = job.state.step
+        if job.world.rank == 0:
+            log.info("resumed from %s at epoch %d, step %d", path, job.state.epoch,
+                     job.state.step)
+            job.recorder.write(ResumeRecord(step=job.state.step, epoch=job.state.epoch,
+                                         world_size=job.world.size,
+                                         saved_world_size=job.state.world_size,
                                          checkpoint=path,
-                                         cluster_version=self.world.cluster_version))
-            if self.state.strategy != self._initial_strategy:
+                                         cluster_version=job.world.cluster_version))
+            if job.state.strategy != job._initial_strategy:
                 log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
                             "the run had switched; a policy may switch again)",
-                            self.state.strategy.describe(), self._initial_strategy.describe())
-            if self.state.topology != self.options.topology:
+                            job.state.strategy.describe(), job._initial_strategy.describe())
+            if job.state.topology != job.options.topology:
                 log.warning("resumed with the checkpoint's allreduce topology %s (the flags "
-                            "say %s: the run had switched)", self.state.topology,
-                            self.options.topology)
+                            "say %s: the run had switched)", job.state.topology,
+                            job.options.topology)
         return True
 
     def save_checkpoint(self, path: str) -> None:
         """Rank 0: write the whole training state to ``path`` atomically."""
-        self.state.world_size = self.world.size
-        self.state.save(path, cluster_version=self.world.cluster_version,
-                        identity=self.identity)
+        job = self.job
+        job.state.world_size = job.world.size
+        job.state.save(path, cluster_version=job.world.cluster_version,
+                        identity=job.identity)
 
-    def _stop_for_signal(self) -> None:
+    def stop_for_signal(self) -> None:
         """Every rank, at the boundary where a stop signal became known: rank 0 saves."""
-        name = (self.stop_signals.received if self.stop_signals and self.stop_signals.received
+        job = self.job
+        name = (job.stop_signals.received if job.stop_signals and job.stop_signals.received
                 else "a stop signal on another rank")
         self.stopped = name
         saved = None
-        if self.world.rank == 0:
-            saved = self._save_for_stop(name)
-            self._record_stop(name, saved, requeue=saved)
-        if not root_tells(saved, self.world, what="the stop's verdict"):
+        if job.world.rank == 0:
+            saved = self.save_for_stop(name)
+            self.record_stop(name, saved, requeue=saved)
+        if not root_tells(saved, job.world, what="the stop's verdict"):
             self.stopped = f"{name}; state NOT saved"
 
-    def _record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
+    def record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
         """Rank 0: the stop's line in the metrics (plots mark it)."""
-        st = self.state
-        self.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=self.world.size,
+        job = self.job
+        st = job.state
+        job.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=job.world.size,
                                    signal=why, saved=saved,
-                                   checkpoint=self.options.checkpoint if saved else None,
-                                   requeue=requeue, cluster_version=self.world.cluster_version))
+                                   checkpoint=job.options.checkpoint if saved else None,
+                                   requeue=requeue, cluster_version=job.world.cluster_version))
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
         """A peer died (or stayed silent past the deadline) in the middle of a step or a
         resize. The world's communicator cannot be used any more (MPICH neither errors nor
         completes a collective with a dead peer), so this rank ends the job: rank 0 saves
         the last committed state (the step in flight has changed nothing yet: the optimizer
         has not stepped, the cursor not moved) to --checkpoint, and every survivor exits
         with 75 so that the job script requeues and resumes from it. Never returns."""
-        st = self.state
+        job = self.job
+        st = job.state
         exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         detected = time.time()
         who = f"rank {exc.rank}" if exc.rank >= 0 else "a peer"
         log.error("%s of %d failed at step %d (%s); detected at %s: ending the job", who,
-                  self.world.size, st.step if st else 0, exc,
+                  job.world.size, st.step if st else 0, exc,
                   time.strftime("%H:%M:%S", time.localtime(detected)) +
                   f".{int(detected * 1000) % 1000:03d}")
         code = EXIT_REQUEUE
-        if self.world.rank == 0 and st is not None:
-            self.recorder.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
+        if job.world.rank == 0 and st is not None:
+            job.recorder.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
                                           step=st.step, epoch=st.epoch,
-                                          world_size=self.world.size, detected_unix=detected,
+                                          world_size=job.world.size, detected_unix=detected,
                                           waited_s=exc.waited_s,
-                                          cluster_version=self.world.cluster_version))
+                                          cluster_version=job.world.cluster_version))
             saved = False
-            if self.options.checkpoint and not self.joining:
+            if job.options.checkpoint and not job.joining:
                 self.stopped = "peer failure"
-                saved = self._save_for_stop(f"the failure of {who}")
+                saved = self.save_for_stop(f"the failure of {who}")
                 if not saved:
                     code = 1
             else:
                 log.error("nothing saved (%s): the state of step %d is lost; exit %d",
-                          "no --checkpoint" if not self.options.checkpoint else
+                          "no --checkpoint" if not job.options.checkpoint else
                           "a joined worker does not save", st.step, code)
-            self._record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
-        self.recorder.close()
-        if self._sample_file is not None:
-            self._sample_file.close()
-        self._close_loader()
-        if self.elastic is not None and self.world.rank == 0:
-            self.elastic.stop_spares()
-            for w in self.elastic.pending.workers if self.elastic.pending is not None else []:
+            self.record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
+        job.recorder.close()
+        if job._sample_file is not None:
+            job._sample_file.close()
+        self.close_loader()
+        if job.elastic is not None and job.world.rank == 0:
+            job.elastic.stop_spares()
+            for w in job.elastic.pending.workers if job.elastic.pending is not None else []:
                 w.stop()
-            self.elastic.remove_join_folders()  # a pending grow's (its joiners are stopped)
-        if self.allocator is not None:
+            job.elastic.remove_join_folders()  # a pending grow's (its joiners are stopped)
+        if job.allocator is not None:
             try:
-                self.allocator.close(10.0)   # joined workers end on their own; then killed
+                job.allocator.close(10.0)   # joined workers end on their own; then killed
             except Exception as err:  # pragma: no cover - best effort on the way out
                 log.error("could not stop the joined workers: %s", err)
-        if self.world.rank == 0:
+        if job.world.rank == 0:
             agent.record_exit_code(code)
         world_mod.leave_with_launch_siblings(5.0)
         lifecycle.end_process(code)
 
-    def _stop_for_divergence(self) -> None:
+    def stop_for_divergence(self) -> None:
         """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps (updates
         under bounded delay). The state in memory is not the last good one: the update
         before the run (a finite but exploding loss) was applied, so it is not saved; the
         last checkpoint on disk (a --checkpoint-every save or an earlier stop's) is kept
         and named. The job ends with exit code 1, not requeued (it would diverge again)."""
-        st, n = self.state, self.steps.nonfinite_run
-        self._requeue = False
-        unit = "updates" if st.strategy.asynchronous and self.world.size > 1 else "steps"
+        job = self.job
+        st, n = job.state, job.steps.nonfinite_run
+        self.requeue = False
+        unit = "updates" if st.strategy.asynchronous and job.world.size > 1 else "steps"
         name = f"{n} {unit} with a non-finite loss"
         self.stopped = f"{name}; state NOT saved"
-        if self.world.rank != 0:
+        if job.world.rank != 0:
             return
         log.error("the loss was not finite for %d %s in a row (up to step %d, learning "
                   "rate %.4g, batch %d): training stops. Lower the learning rate (--lr), "
                   "clip gradients, or raise --max-nonfinite-steps", n, unit, st.step,
                   st.hyper.lr, st.hyper.batch_size)
-        self._record_stop(name, False, requeue=False)
-        path = self.options.checkpoint
+        self.record_stop(name, False, requeue=False)
+        path = job.options.checkpoint
         kept = checkpoint_step(path) if path else None
         if kept is not None:
             log.error("the state in memory holds the update that diverged and is not saved; "
@@ -176,23 +190,25 @@ class StopsAndCheckpoints:
             log.error("the state in memory holds the update that diverged and is not saved; "
                       "no earlier checkpoint exists%s", "" if path else " (no --checkpoint)")
 
-    def _save_periodically(self) -> None:
+    def save_periodically(self) -> None:
         """Rank 0, --checkpoint-every: a failed write is logged and training goes on."""
+        job = self.job
         try:
-            self.save_checkpoint(self.options.checkpoint)
+            self.save_checkpoint(job.options.checkpoint)
         except (OSError, RuntimeError) as exc:
             log.error("step %d: the periodic checkpoint could not be written to %s: %s; "
-                      "training goes on, the previous checkpoint stays", self.state.step,
-                      self.options.checkpoint, exc)
+                      "training goes on, the previous checkpoint stays", job.state.step,
+                      job.options.checkpoint, exc)
 
-    def _save_for_stop(self, name: str) -> bool:
-        st = self.state
-        if self._resumed_at is not None and st.step - self._resumed_at < 20:
+    def save_for_stop(self, name: str) -> bool:
+        job = self.job
+        st = job.state
+        if self.resumed_at is not None and st.step - self.resumed_at < 20:
             log.warning("stopped again %d step(s) after resuming: the job gets its stop "
                         "signal right after it starts. Slurm sends --signal=SIG@T up to "
                         "60 s before T; make the time limit (--time) well longer than "
-                        "T + 60 s", st.step - self._resumed_at)
-        path = self.options.checkpoint
+                        "T + 60 s", st.step - self.resumed_at)
+        path = job.options.checkpoint
         if not path:
             log.warning("stopped on %s at step %d; no --checkpoint given, state not saved "
                         "(pass --checkpoint PATH to save it and resume)", name, st.step)
@@ -209,60 +225,63 @@ class StopsAndCheckpoints:
         return True
 
     def summary(self) -> Dict[str, Any]:
-        st = self._require_setup()
+        job = self.job
+        st = job._require_setup()
         return json_safe({"final_test_accuracy": st.last_accuracy, "steps": st.step,
-                        "epochs": st.epoch, "world_size": self.world.size,
-                        "batch_size": st.hyper.batch_size, "lr": self.steps.last_rate(),
-                        "left": self.left, "cluster_version": self.world.cluster_version,
-                        "resizes": self.resizes, "stopped": self.stopped,
-                        "strategy": st.strategy.name, "model_digest": self.model_digest(),
-                        "user_metrics": dict(self.recorder.user_metrics),
-                        **({"bounded_delay": self.rounds.totals}
-                           if self.rounds.totals else {})})
+                        "epochs": st.epoch, "world_size": job.world.size,
+                        "batch_size": st.hyper.batch_size, "lr": job.steps.last_rate(),
+                        "left": job.left, "cluster_version": job.world.cluster_version,
+                        "resizes": job.resizes, "stopped": self.stopped,
+                        "strategy": st.strategy.name, "model_digest": job.monitoring.model_digest(),
+                        "user_metrics": dict(job.recorder.user_metrics),
+                        **({"bounded_delay": job.rounds.totals}
+                           if job.rounds.totals else {})})
 
     def finish(self, *, exit: bool = True) -> Dict[str, Any]:
         """End the job on every rank: rank 0 prints the summary as one line of JSON (and
         writes ``--summary-json``), the checkpoint of a finished training is removed, MPI
         is released. After a stop signal it exits with 75 (the job script requeues) or 1
         when the state could not be saved, unless ``exit=False`` (then see ``exit_code``)."""
+        job = self.job
         summary = self.summary()
-        self._close_loader()
-        if self.world.rank == 0:
-            if self.options.progress:
+        self.close_loader()
+        if job.world.rank == 0:
+            if job.options.progress:
                 sys.stderr.write("\n")
             print(json.dumps(summary), flush=True)
-            if self.options.summary_json:
-                with open(self.options.summary_json, "w", encoding="utf-8") as f:
+            if job.options.summary_json:
+                with open(job.options.summary_json, "w", encoding="utf-8") as f:
                     json.dump(summary, f)
-        self.recorder.close()
-        if self._sample_file is not None:
-            self._sample_file.close()
-        if self.elastic is not None:
-            self.elastic.stop_spares()
-        if self.allocator is not None:
-            self.allocator.close()
+        job.recorder.close()
+        if job._sample_file is not None:
+            job._sample_file.close()
+        if job.elastic is not None:
+            job.elastic.stop_spares()
+        if job.allocator is not None:
+            job.allocator.close()
         self.exit_code = 0
         if self.stopped:
             # Requeue only from a saved state (rank 0 saves; the others follow its word).
-            self.exit_code = EXIT_REQUEUE if self._requeue and \
+            self.exit_code = EXIT_REQUEUE if self.requeue and \
                 not self.stopped.endswith("NOT saved") else 1
-        elif self.options.checkpoint and self.world.rank == 0 and not self.joining \
-                and os.path.exists(self.options.checkpoint):
-            os.unlink(self.options.checkpoint)
+        elif job.options.checkpoint and job.world.rank == 0 and not job.joining \
+                and os.path.exists(job.options.checkpoint):
+            os.unlink(job.options.checkpoint)
             log.info("training finished; removed the preemption checkpoint %s",
-                     self.options.checkpoint)
-        if self.world.rank == 0:
+                     job.options.checkpoint)
+        if job.world.rank == 0:
             agent.record_exit_code(self.exit_code)
         world_mod.shutdown()
         if exit and self.exit_code:
             sys.exit(self.exit_code)
         return summary
 
-    def _close_loader(self) -> None:
+    def close_loader(self) -> None:
         """The loader's worker processes end now, cleanly (their temporary folders go with
         them), not when the interpreter kills them on its way out; the folders of workers
         that were killed with their rank (a failure) are removed here too."""
-        loader = getattr(self, "loader", None)
+        job = self.job
+        loader = getattr(job, "loader", None)
         if loader is not None:
             try:
                 loader.close()
