@@ -21,6 +21,7 @@ import argparse
 import logging
 import math
 import os
+import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
@@ -479,10 +480,14 @@ class Job(MembershipChanges):
         from hpcadapt.elastic.membership import ResizeOutcome
 
         done = self.recovery.recover(exc, holds_state=self._holds_state)
-        self._holds_state = True
+        self._holds_state = True  # (a joiner that took rank 0's role logs as rank 0 now)
         self._restart = True
         self.steps.recovered(given_up=step_given_up)
         dead = list(done.dead)
+        if self.world.rank == 0:
+            log.warning("rank(s) %s of %d died (%s): recovered in %.3f s on %d workers, "
+                        "training from step %d", dead, done.old_size, done.why,
+                        time.perf_counter() - done.started, self.world.size, self.state.step)
         self._after_resize(ResizeOutcome(done.old_size, done.new_size,
                                          f"failure of rank(s) {dead}", 0.0, True), done.started)
         if self.options.replace_failed and self.elastic is not None:

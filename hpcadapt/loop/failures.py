@@ -31,12 +31,14 @@ log = logging.getLogger("hpcadapt.job")
 @dataclass(frozen=True)
 class Recovered:
     """What a recovery did: ``dead`` (ranks of the world it began in), that world's size
-    and the new one's, ``started`` (its perf_counter start: the resize's pause)."""
+    and the new one's, ``started`` (its perf_counter start: the resize's pause), ``why``
+    (the failure that started it)."""
 
     dead: Tuple[int, ...]
     old_size: int
     new_size: int
     started: float
+    why: str
 
 
 class FailureRecovery:
@@ -148,10 +150,6 @@ class FailureRecovery:
         if job.allocator is not None:
             job.allocator.released(len(agreement.dead))
             job.allocator.reap()
-        if job.world.rank == 0:
-            log.warning("rank(s) %s of %d died (%s): recovered in %.3f s on %d workers, "
-                        "training from step %d", list(agreement.dead), old_size, exc,
-                        time.perf_counter() - t0, job.world.size, st.step)
         job.recorder.write(RecoveryRecord(
             dead=list(agreement.dead), dead_pids=dead_pids, rank=agreement.dead[0],
             cause=exc.cause, detail=str(exc), step=st.step, step_in_flight=rolled_from,
@@ -159,7 +157,7 @@ class FailureRecovery:
             detected_unix=exc.detected_at, recovered_unix=recovered, waited_s=exc.waited_s,
             recovery_s=recovered - exc.detected_at, cluster_version=job.world.cluster_version,
             previous_cluster_version=version, **phases))
-        return Recovered(tuple(agreement.dead), old_size, job.world.size, t0)
+        return Recovered(tuple(agreement.dead), old_size, job.world.size, t0, str(exc))
 
     def coordinator_may_move(self) -> bool:
         """Rank 0's role can move where an agent waits for every worker: under

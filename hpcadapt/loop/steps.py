@@ -91,13 +91,15 @@ class StepRunner:
         before the step commits (micro-batches, a round's batches): with one batch, the
         body after the failed ``job.step`` has not run when the recovery restores, and
         ``undo_at_next_batch`` covers it (no copy of an EMA model every step).
-        ``weights``: the parameters and the optimizer's state too (a bounded-delay round
-        applies updates before it commits)."""
+        ``weights``: the parameters too, and on rank 0 the optimizer's state (a
+        bounded-delay round applies updates before it commits; only the aggregator, rank
+        0, steps the optimizer in it)."""
         job = self.job
         if job.recovery.recoverable:
             self.in_flight = StepCommit.take(job.state.step, job.extra,
                                              job.optimizer.optimizer, job.model,
-                                             user=batches > 1, weights=weights)
+                                             user=batches > 1, weights=weights,
+                                             optimizer_state=weights and job.world.rank == 0)
 
     def roll_back(self) -> int:
         """A recovery: the step in flight is given up, this rank goes back to its last

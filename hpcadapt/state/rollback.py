@@ -36,25 +36,27 @@ class StepCommit:
     groups: Optional[List[Dict[str, Any]]]
     buffers: List[torch.Tensor]
     rng: torch.Tensor
-    # The parameters and the optimizer's state: kept only where updates are applied before
-    # the commit (a bounded-delay round's aggregator steps many times in one round).
+    # Kept only where updates are applied before the commit (a bounded-delay round): the
+    # parameters (every rank: workers load the aggregator's newer models), and the
+    # optimizer's per-parameter state (the aggregator's: it steps many times in one round).
     params: Optional[List[torch.Tensor]] = None
-    optimizer_state: Optional[Dict[str, Any]] = None
+    optimizer_state: Optional[List[Optional[Dict[str, Any]]]] = None
 
     @classmethod
     def take(cls, step: int, user_state, optimizer: torch.optim.Optimizer,
-             model: nn.Module, *, user: bool = True, weights: bool = False) -> "StepCommit":
+             model: nn.Module, *, user: bool = True, weights: bool = False,
+             optimizer_state: bool = False) -> "StepCommit":
         """Copies, not references: the step goes on changing the originals. ``user=False``
         keeps only what the step itself changes (buffers, RNG), not what the user's code
         between batches may (the user's state, the param groups' settings); ``weights``
-        keeps the parameters and the optimizer's state too."""
+        keeps the parameters, ``optimizer_state`` the optimizer's state per parameter."""
         return cls(step=step, user=copy.deepcopy(user_state.state_dict()) if user else None,
                    groups=_group_values(optimizer) if user else None,
                    buffers=[b.detach().clone() for b in model.buffers()],
                    rng=torch.get_rng_state(),
                    params=[p.detach().clone() for p in model.parameters()] if weights
                    else None,
-                   optimizer_state=copy.deepcopy(optimizer.state_dict()) if weights else None)
+                   optimizer_state=_optimizer_state(optimizer) if optimizer_state else None)
 
     def restore(self, user_state, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
         """Put everything back as it was when the step began (in place, so that references
@@ -62,7 +64,7 @@ class StepCommit:
         if self.user is not None:
             user_state.load_state_dict(copy.deepcopy(self.user))
         if self.optimizer_state is not None:
-            optimizer.load_state_dict(copy.deepcopy(self.optimizer_state))
+            _restore_optimizer_state(optimizer, self.optimizer_state)
         if self.params is not None:
             with torch.no_grad():
                 for param, saved in zip(model.parameters(), self.params):
@@ -73,3 +75,34 @@ class StepCommit:
             for buf, saved in zip(model.buffers(), self.buffers):
                 buf.copy_(saved)
         torch.set_rng_state(self.rng)
+
+
+def _params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> List[Optional[Dict[str, Any]]]:
+    """Each parameter's optimizer state (momentum, Adam's moments, its step), copied."""
+    return [{k: v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+             for k, v in optimizer.state[p].items()} if p in optimizer.state else None
+            for p in _params(optimizer)]
+
+
+def _restore_optimizer_state(optimizer: torch.optim.Optimizer,
+                             saved: List[Optional[Dict[str, Any]]]) -> None:
+    """Each parameter's state as saved: tensors copied into the ones the optimizer holds
+    (a reference to a momentum buffer stays valid), state created since removed."""
+    for p, values in zip(_params(optimizer), saved):
+        if values is None:
+            optimizer.state.pop(p, None)
+            continue
+        now = optimizer.state[p]
+        for key in [k for k in now if k not in values]:
+            del now[key]
+        for key, value in values.items():
+            old = now.get(key)
+            if torch.is_tensor(value) and torch.is_tensor(old) and old.shape == value.shape:
+                with torch.no_grad():
+                    old.copy_(value)
+            else:
+                now[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
