@@ -179,11 +179,7 @@ class Monitoring:
                              f"batch {st.hyper.batch_size} on {job.world.size} workers   ")
 
     def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: Any) -> None:
-        """Record the epoch that just ended (call on every rank, inside ``job.epochs()``):
-        the metrics line, the log, and the accuracy the policies see. Other keywords are
-        the user's own metrics (``ema_accuracy=0.91``): numbers, kept in the epoch line
-        and, the last of each, in the summary. Raises ConfigurationError for a value that
-        is not a number or a name that is a built-in field of the epoch line."""
+        """``job.log_epoch`` (its docstring says what is recorded and what is refused)."""
         from hpcadapt.base.metrics import user_metrics
 
         job = self.job
@@ -207,13 +203,7 @@ class Monitoring:
                      "".join(f", {k} {v:.4g}" for k, v in mine.items()))
 
     def log_eval(self, **metrics: Any) -> None:
-        """Record an evaluation made during training (call on every rank, after a step;
-        rank 0 writes): one ``"event": "eval"`` line of the metrics file with the committed
-        ``step``, ``samples`` (``job.samples_seen``), ``epoch_progress``, the global
-        ``batch_size``, the ``lr`` of the last step, and ``metrics`` as floats
-        (``job.log_eval(val_loss=1.9, val_accuracy=0.42)``). Nothing is printed (it may run
-        often); the summary is not changed. Raises ConfigurationError for a value that is
-        not a number or a name that is a built-in field of the eval line."""
+        """``job.log_eval`` (its docstring says what is recorded and what is refused)."""
         from hpcadapt.base.metrics import EvalRecord, RESERVED_EVAL_KEYS, user_metrics
 
         job = self.job

@@ -378,22 +378,18 @@ class AsyncWorker:
     def send_update(self, batch_id: int, samples: int, loss_sum: float,
                     compute_s: float) -> None:
         """Send the gradient in ``.grad`` (and the floating buffers) without waiting."""
-        try:
-            self._finish_sends()  # the previous update's buffers are free again
-        except BaseException:
-            ABANDONED.append(self._sends)  # MPI may still read them until the world goes
-            raise
         head = np.array([self.world.rank, self.version, samples, loss_sum, compute_s,
                          batch_id], dtype=np.float64)
         body = self.flat.update_vector()
         comm = self.world.comm
-        self._sends = []   # one by one: a send refused (a revoked world) keeps the other's
-        for buf, tag in ((head, TAG_UPDATE_HEAD), (body, TAG_UPDATE_BODY)):
-            try:
+        try:
+            self._finish_sends()  # the previous update's buffers are free again
+            # one by one: a send refused (a revoked world) keeps the other's buffer listed
+            for buf, tag in ((head, TAG_UPDATE_HEAD), (body, TAG_UPDATE_BODY)):
                 self._sends.append((comm.Isend(buf, 0, tag), buf))
-            except BaseException:
-                ABANDONED.append(self._sends)
-                raise
+        except BaseException:
+            ABANDONED.append(self._sends)  # MPI may still read them until the world goes
+            raise
         self.updates += 1
 
     def _finish_sends(self) -> None:
