@@ -6,4 +6,13 @@ a GPU).
 ``hpcadapt.parallel.dataplane`` picks among them for the optimizer; the host collectives themselves
 refuse CUDA tensors with a clear error. The device-generic parts are tested on the CPU
 (tests/test_cuda_cpu.py, tests/test_cuda_staged_mpi.py); the GPU-only calls in
-tests/test_cuda_gpu.py, which skips without a GPU and has not run on one yet."""
+tests/test_cuda_gpu.py, which skips without a GPU (first run on an H200: docs/guides/gpus.md)."""
+
+if __name__ == "cuda":
+    # Imported as a top-level ``cuda``: Python started in the repository's root (``python -m
+    # pytest``, ``python -m hpcadapt.train``) finds this folder first, and it would hide
+    # NVIDIA's ``cuda`` namespace (``cuda.pathfinder``, ``cuda.bindings``: CuPy imports
+    # them, and failed as "CuPy is not installed" on the GPU machine). Let those resolve.
+    import pkgutil
+
+    __path__ = pkgutil.extend_path(__path__, __name__)

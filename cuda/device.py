@@ -50,8 +50,11 @@ def gpu_problems(*, visible_gpus: Optional[Callable[[], int]] = None,
                         "driver and CUDA_VISIBLE_DEVICES)")
     try:
         cupy = (import_cupy or _import_cupy)()
-    except ImportError:
-        problems.append("CuPy is not installed")
+    except ImportError as e:
+        # "not installed" only when CuPy itself is missing; else say what its import hit
+        missing = getattr(e, "name", None) == "cupy"
+        problems.append("CuPy is not installed" if missing
+                        else f"CuPy failed to import ({e})")
         return problems
     nccl = getattr(getattr(cupy, "cuda", None), "nccl", None)
     if nccl is None or not getattr(nccl, "available", True):

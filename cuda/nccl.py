@@ -17,7 +17,8 @@ from hpcadapt.base.errors import CommunicationError
 
 from .streams import StreamHandle, TorchStreamOps
 
-__all__ = ["NCCLCommunicator", "nccl_dtype", "NCCL_DTYPES", "NCCL_OPS"]
+__all__ = ["NCCLCommunicator", "nccl_dtype", "NCCL_DTYPES", "NCCL_OPS", "comm_id",
+           "unique_id_array"]
 
 # NCCL's own codes (nccl.h), used when the CuPy build does not name them (bfloat16 came in
 # NCCL 2.10): stable across releases.
@@ -36,6 +37,25 @@ def nccl_dtype(dtype: Any) -> int:
                                  f"{sorted(NCCL_DTYPES)}") from None
 
 
+UNIQUE_ID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES (nccl.h)
+
+
+def unique_id_array(raw) -> np.ndarray:
+    """NCCL's unique id as 128 signed bytes to broadcast over MPI: CuPy 14 gives ``bytes``,
+    earlier releases a tuple of ints (C ``char`` values)."""
+    if isinstance(raw, (bytes, bytearray)):
+        return np.frombuffer(bytes(raw), dtype=np.int8).copy()
+    return np.asarray(raw, dtype=np.int64).astype(np.int8)
+
+
+def comm_id(uid: np.ndarray, cupy_version: str):
+    """The id in the form ``NcclCommunicator`` takes: ``bytes`` from CuPy 14, a tuple of
+    ints before."""
+    if int(cupy_version.split(".")[0]) >= 14:
+        return uid.astype(np.int8).tobytes()
+    return tuple(int(v) for v in uid)
+
+
 class NCCLCommunicator:
     """Collectives over NCCL for the ranks of ``comm`` (an MPI intracommunicator), on CUDA
     device ``device`` (this rank's own GPU). Rebuild it on every cluster version
@@ -50,13 +70,13 @@ class NCCLCommunicator:
         self._nccl = nccl
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device = device
-        uid = np.zeros(128, dtype=np.int8)
+        uid = np.zeros(UNIQUE_ID_BYTES, dtype=np.int8)
         if self.rank == 0:
-            uid[:] = np.asarray(nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
+            uid[:] = unique_id_array(nccl.get_unique_id())
         # bounded like every wait on a peer (``watch``: the world's liveness checks)
         wait_request(comm.Ibcast(uid, root=0), watch, "the NCCL unique id's broadcast")
         with cupy.cuda.Device(device):
-            self._comm = nccl.NcclCommunicator(self.size, tuple(int(v) for v in uid),
+            self._comm = nccl.NcclCommunicator(self.size, comm_id(uid, cupy.__version__),
                                                self.rank)
         self._ops = TorchStreamOps(device)
         self._stream = self._ops.new_stream()

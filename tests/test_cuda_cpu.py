@@ -5,13 +5,21 @@ calls into CuPy/NCCL themselves run only where a GPU exists (tests/test_cuda_gpu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 from hpcadapt import CommunicationError, ConfigurationError
 from hpcadapt.cuda.device import INSTALL_HINT, choose_device, gpu_problems
-from hpcadapt.cuda.nccl import nccl_dtype
+from hpcadapt.cuda.nccl import comm_id, nccl_dtype, unique_id_array
 from hpcadapt.cuda.streams import StreamHandle
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def gpus(n):
@@ -68,11 +76,16 @@ def test_bad_device_names_list_the_choices():
 
 def test_gpu_problems_names_each_missing_part():
     def no_cupy():
-        raise ImportError("No module named 'cupy'")
+        raise ModuleNotFoundError("No module named 'cupy'", name="cupy")
+
+    def cupy_broken():  # what the GPU machine said when NVIDIA's cuda namespace was hidden
+        raise ModuleNotFoundError("No module named 'cuda.pathfinder'", name="cuda.pathfinder")
 
     assert gpu_problems(visible_gpus=gpus(0), import_cupy=no_cupy) == [
         "no GPU is visible (torch.cuda.is_available() is False; check the driver and "
         "CUDA_VISIBLE_DEVICES)", "CuPy is not installed"]
+    assert gpu_problems(visible_gpus=gpus(1), import_cupy=cupy_broken) == [
+        "CuPy failed to import (No module named 'cuda.pathfinder')"]
 
     class CupyWithoutNccl:
         class cuda:
@@ -86,6 +99,32 @@ def test_gpu_problems_names_each_missing_part():
                                         (torch.bfloat16, 9), (torch.float64, 8)])
 def test_nccl_dtypes_cover_fp32_fp16_bf16(dtype, code):
     assert nccl_dtype(dtype) == code
+
+
+@pytest.mark.parametrize("cupy_version", ["13.6.0", "14.2.0"])
+def test_the_nccl_unique_id_survives_the_broadcast_in_either_cupy_form(cupy_version):
+    """CuPy 14 gives and takes the id as bytes, earlier CuPy as a tuple of C char values:
+    both round-trip through the int8 array that rank 0 broadcasts."""
+    raw = bytes(range(256))[::2]  # 128 bytes, half of them negative as C chars
+    old = tuple(b - 256 if b > 127 else b for b in raw)
+    given = raw if cupy_version.startswith("14") else old
+    uid = unique_id_array(given)
+    assert uid.dtype == np.int8 and uid.shape == (128,)
+    assert comm_id(uid.copy(), cupy_version) == given
+
+
+def test_a_top_level_cuda_import_from_the_repository_root_leaves_nvidias_namespace_visible(
+        tmp_path):
+    """Python started in the repository's root finds ``cuda/`` first: NVIDIA's ``cuda.*``
+    modules (which CuPy imports) must still resolve."""
+    site = tmp_path / "site"
+    (site / "cuda" / "pathfinder").mkdir(parents=True)  # a namespace portion, as installed
+    (site / "cuda" / "pathfinder" / "__init__.py").write_text("FOUND = True\n")
+    code = "import cuda.pathfinder, cuda.nccl; print(cuda.pathfinder.FOUND)"
+    env = dict(os.environ, PYTHONPATH=str(site))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
 
 
 def test_a_dtype_nccl_cannot_reduce_is_refused_by_name():
