@@ -60,7 +60,7 @@ __all__ = ["Job", "JobOptions", "StepTimes"]
 log = logging.getLogger(__name__)
 
 
-class Job(MembershipChanges):
+class Job:
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
@@ -82,9 +82,11 @@ class Job(MembershipChanges):
         if why:  # the same flags on every rank: said once, by rank 0
             raise on_every_rank(ConfigurationError(why))
         faults.arm()  # a wrong HPCADAPT_FAULT is refused here
-        self._join_dir = config.take_join_dir()
-        self._spawned_to_join = config.take_spawned_mark()  # Open MPI's grow
-        self._spare_of = config.take_spare_mark()  # Open MPI: a warm spare's rank 0 (NODE:PID)
+        # resizes, joins, leaving; how this process was started (to join a running job
+        # through a port's folder, spawned by Open MPI's grow, a warm spare of a rank 0)
+        self.membership = MembershipChanges(self, join_dir=config.take_join_dir(),
+                                            spawned_to_join=config.take_spawned_mark(),
+                                            spare_of=config.take_spare_mark())
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         self._initial_strategy = strategies.from_options(o)
         from hpcadapt.comm.topology import parse_ranks_per_node, parse_topology
@@ -95,21 +97,18 @@ class Job(MembershipChanges):
             if not (math.isfinite(factor) and factor >= 1.0):
                 raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
                                          f"(2 makes the rank take twice as long)")
-        self.joining = self._join_dir is not None or self._spawned_to_join
-        # Whether this process holds the training state (a joiner does once it has joined):
-        # a recovery during a join takes the state from a survivor that holds it.
-        self._holds_state = not self.joining
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
         self.stop_signals: Optional[StopSignals] = StopSignals.named(
             o.stop_signals, saves=bool(o.checkpoint)).install()
         self.world = world_mod.init()
-        self.stop_signals.announce = lambda: self.world.rank == 0 and not self.joining
+        self.stop_signals.announce = lambda: self.world.rank == 0 and not self.membership.joining
         self.stops = Stops(self)  # why it stopped, checkpoints, the resume, the exit code
         # A peer that dies during the user's own collective work: saved, exit 75.
         lifecycle.set_failure_handler(
             lambda exc: self.stops.fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
-        setup_logging(lambda: self.world.rank if self._holds_state else f"joiner {os.getpid()}")
+        setup_logging(lambda: self.world.rank if self.membership.holds_state
+                      else f"joiner {os.getpid()}")
         most = max(self.world.size, o.max_workers or 0, o.initial_workers or 0)
         if o.slow_rank is not None and o.slow_rank >= most and self.world.rank == 0:
             log.warning("--slow-rank %d: the job has at most %d worker(s), so no rank is "
@@ -124,33 +123,27 @@ class Job(MembershipChanges):
 
         self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
                                    resize_batch=o.resize_batch)
-        self.elastic = None
-        self.allocator = None
         if o.max_workers is not None:
-            self._setup_elastic()
-        if not self.joining:
+            self.membership.setup_elastic()
+        if not self.membership.joining:
             setup_checks.check_output_folders(o, self.world)
-        self.recorder = Recorder(o.metrics_file if not self.joining else None,
+        self.recorder = Recorder(o.metrics_file if not self.membership.joining else None,
                                  enabled=self.world.rank == 0)
-        if self.world.rank == 0 and not self.joining:
+        if self.world.rank == 0 and not self.membership.joining:
             agent.record_coordinator()  # for the agent's signals, when there is one
         self.state: Optional[TrainingState] = None
         self.extra = UserState()
-        self.left = False
         self.finished_by_stop_file = False
-        self.resizes: List[Dict[str, Any]] = []
         self.steps = StepRunner(self)  # the step in flight and what it leaves behind
         self.recovery = FailureRecovery(self)  # a peer's death, recovered from in place
         self.monitoring = Monitoring(self)  # noise scale, timings, snapshot, metrics lines
         self.adaptation = Adaptation(self)  # the policies' plans; the hyper-parameters' writer
         self.rounds = BoundedDelayRounds(self, self.steps)
         self._resumed = False
-        self._queued_hooks: List[tuple] = []
         # Set by a recovery: the loop iteration it cut short starts again from the state the
         # survivors agreed on (read once, by the loop's scope: _take_restart).
         self._restart = False
         self._sample_file = None
-        self._identical_after_resize: Optional[bool] = None
         if o.sample_log:
             os.makedirs(o.sample_log, exist_ok=True)
             # Line-buffered: a worker killed at any moment has written every step it
@@ -173,14 +166,14 @@ class Job(MembershipChanges):
         if not isinstance(loader, ElasticDataLoader):
             raise ConfigurationError("the loader must be an hpcadapt.ElasticDataLoader (it "
                                      "follows the job's global data cursor)")
-        if loader.batch_size < self.world.size and not self.joining:
+        if loader.batch_size < self.world.size and not self.membership.joining:
             raise ConfigurationError(
                 f"the global batch size {loader.batch_size} is below the {self.world.size} "
                 f"workers: each needs at least one sample per step; use a batch size of at "
                 f"least {self.world.size}")
         strategy = self._initial_strategy
         if strategy.min_workers > max(self.world.size, o.initial_workers or 0) \
-                and not self.joining:
+                and not self.membership.joining:
             what = ("a peer to average with" if strategy.pairs_models
                     else "an aggregator (rank 0) and a worker")
             raise ConfigurationError(
@@ -208,19 +201,19 @@ class Job(MembershipChanges):
         self.state.topology = o.topology
         loader.bind(self._batches, lambda: self.state.hyper.batch_size)
         loader.sampler.job_driven = True
-        if self.joining:
-            self._join()
+        if self.membership.joining:
+            self.membership.join()
         else:
             if o.checkpoint:
                 self._resumed = self.stops.resume(o.checkpoint)
-            if o.warm_spares and self.elastic is None:
+            if o.warm_spares and self.membership.elastic is None:
                 raise on_every_rank(ConfigurationError(
                     "--warm-spares needs --max-workers (the allocator that starts them)"))
-            start_size, reason = self._start_size()
+            start_size, reason = self.membership.start_size(self._resumed)
             if start_size > self.world.size:
-                self._start_initial_workers(start_size, reason)
-            if self.elastic is not None:
-                self.elastic.keep_spares()  # rank 0: they start while training starts
+                self.membership.start_initial_workers(start_size, reason)
+            if self.membership.elastic is not None:
+                self.membership.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
                 log.info("training on %d %s, global batch %d, strategy %s, policies: %s",
                          self.world.size, "worker" if self.world.size == 1 else "workers",
@@ -412,7 +405,7 @@ class Job(MembershipChanges):
                 self.recorder.start_epoch()
                 yielded = st.epoch
                 yield st.epoch
-                if self.left or self.stopped:
+                if self.membership.left or self.stopped:
                     break
                 if st.epoch != yielded:
                     # A recovery gave this rank the state of a survivor that had finished
@@ -430,12 +423,12 @@ class Job(MembershipChanges):
                 if done:
                     st.epoch += 1
                     st.sampler.start_epoch(st.epoch)
-            if self.left or self.stopped or not self._agree_on_the_end():
+            if self.membership.left or self.stopped or not self._agree_on_the_end():
                 break
             skip_before = True  # recovered at the end: the agreed state says where it is
-        if not self.left and not self.stopped:
+        if not self.membership.left and not self.stopped:
             self._hook_in_scope("after_train")
-        self._finish_elastic()
+        self.membership.finish()
 
     def _batches(self) -> Iterator[Any]:
         """This rank's (micro-)batches of the current epoch from the cursor on; the step
@@ -455,7 +448,7 @@ class Job(MembershipChanges):
             # job.step, which runs in the user's code where no exception may go, recovers
             # in place and leaves the restart for this loop to see (as do the scopes of a
             # join and of switch_strategy).
-            with self._recovery_scope() as scope:
+            with self.recovery_scope() as scope:
                 scope.step_given_up = True
                 count = yield from (self.rounds.round() if rounds else self.steps.sync_step())
                 scope.step_given_up = False
@@ -464,8 +457,8 @@ class Job(MembershipChanges):
             self.steps.undo_user_code_of_given_up_step()
             if self._take_restart():
                 continue
-            if self.left:
-                self._leave()
+            if self.membership.left:
+                self.membership.leave()
             if not going_on:
                 break
 
@@ -479,8 +472,8 @@ class Job(MembershipChanges):
         committed leaves the body's work of the committed step."""
         from hpcadapt.elastic.membership import ResizeOutcome
 
-        done = self.recovery.recover(exc, holds_state=self._holds_state)
-        self._holds_state = True  # (a joiner that took rank 0's role logs as rank 0 now)
+        done = self.recovery.recover(exc, holds_state=self.membership.holds_state)
+        self.membership.took_state()
         self._restart = True
         self.steps.recovered(given_up=step_given_up)
         dead = list(done.dead)
@@ -488,15 +481,12 @@ class Job(MembershipChanges):
             log.warning("rank(s) %s of %d died (%s): recovered in %.3f s on %d workers, "
                         "training from step %d", dead, done.old_size, done.why,
                         time.perf_counter() - done.started, self.world.size, self.state.step)
-        self._after_resize(ResizeOutcome(done.old_size, done.new_size,
-                                         f"failure of rank(s) {dead}", 0.0, True), done.started)
-        if self.options.replace_failed and self.elastic is not None:
-            self.request_resize(self.world.size + len(dead), f"replacing failed rank(s) {dead}")
-
-    def _own_the_end(self) -> None:
-        """Rank 0 died and this worker took its role: a joiner no longer, it owns the
-        checkpoint and the end of the job."""
-        self.joining = False
+        self.membership.after_resize(ResizeOutcome(done.old_size, done.new_size,
+                                                   f"failure of rank(s) {dead}", 0.0, True),
+                                     done.started)
+        if self.options.replace_failed and self.membership.elastic is not None:
+            self.membership.request_resize(self.world.size + len(dead),
+                                           f"replacing failed rank(s) {dead}")
 
     def _agree_on_the_end(self) -> bool:
         """ULFM: no rank leaves before every rank has reached the end (a barrier bounded by
@@ -508,7 +498,7 @@ class Job(MembershipChanges):
         whether a recovery happened (training goes on from the agreed state)."""
         if not (world_mod.ULFM and self.recovery.recoverable and self.world.size > 1):
             return False
-        with self._recovery_scope():
+        with self.recovery_scope():
             world_mod.wait_request(self.world.comm.Ibarrier(), self.world.watch,
                                    "the end of training")
         return self._take_restart()
@@ -543,32 +533,40 @@ class Job(MembershipChanges):
         # A recovery inside a hook or the grow's poll ends the boundary at once: the other
         # survivors may already be in the next step, which every rank then starts afresh
         # (another collective of this boundary would meet no partner).
-        queued, self._queued_hooks = self._queued_hooks, []
-        for name, extra in queued:
+        for name, extra in self.adaptation.take_queued_hooks():
             self.adaptation.hook(name, **extra)
-            if self.left:
+            if self.membership.left:
                 return False
         if self.engine.active and (round_end or self.engine.due(st.step, self.steps.monitored)):
             self.adaptation.hook("after_step")
-        if not self.left:
-            self._poll_elastic()
-        if self.allocator is not None:
-            self.allocator.reap()  # launchers of workers that exited: no zombies
-        return not self.left
+        if not self.membership.left:
+            self.membership.poll()
+        if self.membership.allocator is not None:
+            self.membership.allocator.reap()  # launchers of workers that exited: no zombies
+        return not self.membership.left
 
     def _over(self) -> bool:
-        return bool(self.left or self.stopped or self.finished_by_stop_file
+        return bool(self.membership.left or self.stopped or self.finished_by_stop_file
                     or self._max_steps_reached())
 
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.state.step >= self.options.max_steps
+
+    def request_resize(self, new_size: int, reason: str = "user request", *,
+                       remove: Optional[List[int]] = None) -> None:
+        """Change the number of workers; call on every rank at the same point between steps
+        (policies do it through a plan). A shrink happens now; a grow starts now and
+        completes at a later step boundary, when the new workers are ready. Requests that
+        cannot be met are clipped or refused with a logged reason; training goes on.
+        ``remove``: the ranks a shrink should let go first."""
+        self.membership.request_resize(new_size, reason, remove=remove)
 
     def switch_strategy(self, strategy: Strategy, reason: str = "user request") -> None:
         """Change the synchronisation strategy from the next step on; call on every rank at
         the same point between steps (policies do it through a plan). A peer that dies in
         it is recovered from here; the old strategy stays."""
         registered(strategy)  # one line, on every rank alike, before any collective
-        with self._recovery_scope():
+        with self.recovery_scope():
             self.adaptation.switch_strategy(strategy, reason)
 
     def switch_topology(self, topology: str, reason: str = "user request") -> None:
@@ -581,11 +579,11 @@ class Job(MembershipChanges):
     def _hook_in_scope(self, name: str) -> bool:
         """An epoch-level hook (before and after training and each epoch) inside the loop's
         recovery scope; whether a recovery cut it short."""
-        with self._recovery_scope():
+        with self.recovery_scope():
             self.adaptation.hook(name)
         return self._take_restart()
 
-    def _recovery_scope(self) -> RecoveryScope:
+    def recovery_scope(self) -> RecoveryScope:
         """Where a peer's failure is recovered from: see ``RecoveryScope``."""
         return RecoveryScope(self._recover)
 
@@ -607,7 +605,7 @@ class Job(MembershipChanges):
 
 
 class RecoveryScope:
-    """The loop's recovery scope (``with job._recovery_scope() as scope:``): a peer's
+    """The loop's recovery scope (``with job.recovery_scope() as scope:``): a peer's
     failure raised inside it is recovered from on leaving it (or ends the job), and the
     code after it reads ``scope.recovered``. With ``Job.step`` (the user's call, where no
     exception may go) the only way into a recovery. ``step_given_up``: set while the step

@@ -20,10 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # collaborator that returns what it did (loop/failures.FailureRecovery); _queued_hooks and
 # finished_by_stop_file, once the boundary's loop control moved into job.py and the
 # policies' plans into loop/adaptation.Adaptation; stopped, _requeue, exit_code and
-# _resumed_at, owned by loop/stops.Stops now.
-SHARED = {
-    "_holds_state", "_identical_after_resize", "allocator", "elastic", "left",
-}
+# _resumed_at, owned by loop/stops.Stops now; _holds_state, _identical_after_resize,
+# allocator, elastic and left, owned by loop/resizing.MembershipChanges (the last mixin).
+SHARED: set = set()
 
 # The Job's collaborators in loop/: each owns the attributes its class assigns on ``self``;
 # no other module may assign them (``job.steps.open = False`` from a recovery, say).
@@ -35,6 +34,7 @@ COLLABORATORS = {
     "hpcadapt/loop/monitoring.py": "Monitoring",
     "hpcadapt/loop/adaptation.py": "Adaptation",
     "hpcadapt/loop/stops.py": "Stops",
+    "hpcadapt/loop/resizing.py": "MembershipChanges",
 }
 
 

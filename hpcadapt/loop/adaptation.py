@@ -33,6 +33,18 @@ class Adaptation:
 
     def __init__(self, job):
         self.job = job
+        # hooks to run at the next boundary (a resize's on_resize, queued by every rank of
+        # the new world: the hook is collective)
+        self._queued: list = []
+
+    def queue_hook(self, name: str, **extra: Any) -> None:
+        """Run the policies' hook ``name`` at the next step boundary."""
+        self._queued.append((name, extra))
+
+    def take_queued_hooks(self) -> list:
+        """The hooks queued since the last boundary, in order (taken: the queue is empty)."""
+        queued, self._queued = self._queued, []
+        return queued
 
     def follow_ramp(self) -> None:
         """The reference rate of this step (a batch change's ramp moves it); the update
@@ -115,7 +127,7 @@ class Adaptation:
         if plan.topology is not None:
             self.switch_topology(plan.topology, plan.reason or "policy")
         if plan.world_size is not None and plan.world_size != job.world.size:
-            job.request_resize(plan.world_size, plan.reason or "policy",
+            job.membership.request_resize(plan.world_size, plan.reason or "policy",
                                 remove=[plan.remove_rank] if plan.remove_rank is not None else None)
 
     def switch_topology(self, topology: str, reason: str) -> None:

@@ -55,7 +55,7 @@ class FailureRecovery:
         change, to undo it): more than one worker now, or workers that may join."""
         job = self.job
         return job.options.on_failure == "recover" and (job.world.size > 1
-                                                        or job.elastic is not None)
+                                                        or job.membership.elastic is not None)
 
     def recover(self, exc: BaseException, *, holds_state: bool,
                 earlier: Optional["_RecoveryStart"] = None) -> Recovered:
@@ -110,9 +110,10 @@ class FailureRecovery:
         # The step in flight is given up: this rank goes back to its last commit before
         # the survivors compare states (the one furthest on is then everyone's).
         rolled_from = job.steps.roll_back()
-        if job.elastic is not None and job.elastic.growing:
+        elastic = job.membership.elastic
+        if elastic is not None and elastic.growing:
             # Joiners of a pending grow would connect to the old world: start again later.
-            job._record_resize(job.elastic.abandon("a worker died"))
+            job.membership.record_resize(elastic.abandon("a worker died"))
 
         with world_mod.Watchdog(o.peer_timeout, "the recovery", expire):
             try:
@@ -147,9 +148,9 @@ class FailureRecovery:
         phases = {"agree_s": t_agreed - t0, "form_world_s": t_formed - t_agreed,
                   "survey_s": t_surveyed - t_formed,
                   "state_broadcast_s": time.perf_counter() - t_surveyed if not same else None}
-        if job.allocator is not None:
-            job.allocator.released(len(agreement.dead))
-            job.allocator.reap()
+        if job.membership.allocator is not None:
+            job.membership.allocator.released(len(agreement.dead))
+            job.membership.allocator.reap()
         job.recorder.write(RecoveryRecord(
             dead=list(agreement.dead), dead_pids=dead_pids, rank=agreement.dead[0],
             cause=exc.cause, detail=str(exc), step=st.step, step_in_flight=rolled_from,
@@ -172,7 +173,7 @@ class FailureRecovery:
         if world_mod.ULFM:
             return True  # the launch survives any rank's death; mpirun waits for the rest
         return (config.agent_dir() is not None and not agent.stopping()
-                and isinstance(self.job.allocator, LocalAllocator))
+                and isinstance(self.job.membership.allocator, LocalAllocator))
 
     def _take_coordinator_role(self) -> None:
         """The lowest survivor after rank 0 died: it writes the metrics file from here on,
@@ -183,9 +184,9 @@ class FailureRecovery:
         applied (batch, rate, size) is in the training state that all ranks hold."""
         job = self.job
         job.recorder.take_over(job.options.metrics_file)
-        job._own_the_end()  # a joiner no longer: it owns the checkpoint and the end
-        if job.elastic is not None:
-            job.elastic.warm_spares = job.options.warm_spares
+        job.membership.own_the_end()  # a joiner no longer: it owns the checkpoint and the end
+        if job.membership.elastic is not None:
+            job.membership.elastic.warm_spares = job.options.warm_spares
         agent.record_coordinator()
         log.warning("rank 0 died: this worker (pid %d) is the coordinator now (metrics "
                     "file, decisions, checkpoint, allocator); the policies' counters "

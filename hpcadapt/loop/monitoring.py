@@ -136,6 +136,7 @@ class Monitoring:
         job = self.job
         steps = job.steps
         st, t, h = job.state, steps.last_times, job.state.hyper
+        elastic = job.membership.elastic
         lo, hi = st.gns.interval()
         return MetricsSnapshot(
             step=st.step, epoch=st.epoch, world_size=job.world.size,
@@ -154,11 +155,11 @@ class Monitoring:
             compute_time=tuple(t.compute_time.tolist()) if t else (),
             wait_time=tuple(t.wait_time.tolist()) if t else (),
             rank_samples=tuple(t.samples.tolist()) if t else (),
-            max_workers=steps.slot_ranks() if job.elastic is not None else job.world.size,
-            min_workers=job.options.min_workers, can_resize=job.elastic is not None,
+            max_workers=steps.slot_ranks() if elastic is not None else job.world.size,
+            min_workers=job.options.min_workers, can_resize=elastic is not None,
             max_local_batch=job.options.max_local_batch,
             cluster_version=job.world.cluster_version,
-            resizing=bool(job.elastic is not None and job.elastic.growing),
+            resizing=bool(elastic is not None and elastic.growing),
             strategy=st.strategy.name, topology=st.topology, nodes=self._node_count())
 
     def log_step(self, count: int) -> None:

@@ -1,8 +1,11 @@
 """The job's side of membership changes: resizes asked for, shrinks, grows polled and completed
 at a boundary, a joiner's join, a leaver's exit.
 
-A part of ``hpcadapt.job.Job`` (a mixin): its methods work on the job's state, which
-``Job.__init__`` and ``Job.setup`` create; this module holds one concern of it."""
+``MembershipChanges`` is the Job's collaborator for them and owns what they change: whether
+this process is still joining and holds the training state, the elastic controller and its
+allocator, whether this rank left, the resizes done. It reads the job's other parts
+(options, world, state, optimizer, step runner, monitoring, recorder, stops) and assigns
+none of the Job's attributes."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -32,9 +35,55 @@ log = logging.getLogger("hpcadapt.job")
 
 class MembershipChanges:
     """The job's side of membership changes: resizes asked for, shrinks, grows polled
-    and completed at a boundary, a joiner's join, a leaver's exit."""
+    and completed at a boundary, a joiner's join, a leaver's exit.
 
-    def _setup_elastic(self) -> None:
+    ``join_dir``, ``spawned_to_join`` and ``spare_of``: how this process was started (the
+    marks ``hpcadapt.base.config`` takes from the environment): to join a running job
+    through a port's folder, spawned by Open MPI's grow, or as a warm spare of that rank 0."""
+
+    def __init__(self, job, *, join_dir: Optional[str], spawned_to_join: bool,
+                 spare_of: Optional[str]):
+        self.job = job
+        self.join_dir, self.spawned_to_join, self.spare_of = join_dir, spawned_to_join, spare_of
+        #: a worker started to join a running job, until it has joined (or, after a
+        #: recovery, took rank 0's role: then it owns the checkpoint and the end)
+        self.joining = join_dir is not None or spawned_to_join
+        #: whether this process holds the training state (a joiner does once it joined): a
+        #: recovery during a join takes the state from a survivor that holds it
+        self.holds_state = not self.joining
+        self.elastic = None  # the ElasticController, with --max-workers
+        self.allocator = None
+        #: this rank left the job in a shrink
+        self.left = False
+        #: every resize this rank saw (the summary's)
+        self.resizes: List[Dict[str, Any]] = []
+        self.identical_after_resize: Optional[bool] = None
+        self._joined_version = -1
+
+    # the job's parts this one reads most (the same objects through every resize)
+    @property
+    def world(self):
+        return self.job.world
+
+    @property
+    def state(self):
+        return self.job.state
+
+    @property
+    def options(self) -> JobOptions:
+        return self.job.options
+
+    def took_state(self) -> None:
+        """A recovery handed this process the agreed state (a joiner that took rank 0's role
+        logs as rank 0 from now on)."""
+        self.holds_state = True
+
+    def own_the_end(self) -> None:
+        """Rank 0 died and this worker took its role: a joiner no longer, it owns the
+        checkpoint and the end of the job."""
+        self.joining = False
+
+    def setup_elastic(self) -> None:
         from hpcadapt.elastic.membership import ElasticController, joiner_argv
 
         o = self.options
@@ -66,13 +115,13 @@ class MembershipChanges:
         self.elastic.warm_spares = 0 if self.joining else o.warm_spares
         self.elastic.spare_pool_used = bool(o.warm_spares) and self.elastic.spawns
 
-    def _start_size(self) -> tuple:
+    def start_size(self, resumed: bool) -> tuple:
         """(the size to train at from the first step, why): --initial-workers, or on a
         resume the size the checkpoint was written at (--resume-size saved), capped by
         --max-workers; each case that does not grow back says so in one line."""
         o = self.options
         want = o.initial_workers or 0
-        saved = self.state.world_size if self._resumed else 0
+        saved = self.state.world_size if resumed else 0
         if saved <= max(want, self.world.size):
             return want, "initial workers"
         now = max(want, self.world.size)
@@ -92,7 +141,7 @@ class MembershipChanges:
                  self.world.size)
         return reach, f"resuming at the checkpoint's {saved} workers"
 
-    def _start_initial_workers(self, count: int, reason: str = "initial workers") -> None:
+    def start_initial_workers(self, count: int, reason: str = "initial workers") -> None:
         """--initial-workers: the workers the launch lacks join before the first step, each
         its own launch (a dead one is then recovered from; a rank of a shared launch is not).
         A grow that fails or times out leaves the job training at the size it has."""
@@ -101,16 +150,14 @@ class MembershipChanges:
                                                    "allocator that starts them)"))
         self.request_resize(count, reason)
         while self.elastic.growing:
-            with self._recovery_scope():
-                self._poll_elastic()
+            with self.job.recovery_scope():
+                self.poll()
             time.sleep(0.02)
 
     def request_resize(self, new_size: int, reason: str = "user request", *,
                        remove: Optional[List[int]] = None) -> None:
-        """Change the number of workers; call on every rank at the same point between steps
-        (policies do it through a plan). A shrink happens now; a grow starts now and
-        completes at a later step boundary, when the new workers are ready. Requests that
-        cannot be met are clipped or refused with a logged reason; training goes on."""
+        """``Job.request_resize``: a shrink now, a grow started now and completed at a later
+        boundary; requests that cannot be met are clipped or refused with a logged reason."""
         if self.elastic is None:
             if self.world.rank == 0:
                 log.warning("resize to %d workers refused (%s): no allocator (start with "
@@ -125,7 +172,7 @@ class MembershipChanges:
         else:
             failed = self.elastic.start_grow(target, reason)
             if failed is not None:
-                self._record_resize(failed)
+                self.record_resize(failed)
 
     def _shrink(self, target: int, reason: str, remove: Optional[List[int]]) -> None:
         from hpcadapt.elastic.membership import ResizeOutcome, split_leavers
@@ -145,9 +192,9 @@ class MembershipChanges:
             return
         self.world.replace(new)
         self.elastic.allocator.released(old - target)
-        self._after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
+        self.after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
 
-    def _poll_elastic(self) -> None:
+    def poll(self) -> None:
         from hpcadapt.elastic.joins import JoinAborted
         from hpcadapt.elastic.membership import ABANDON, JOIN, ResizeOutcome
 
@@ -158,7 +205,7 @@ class MembershipChanges:
             return
         status, joiners, detail = self.elastic.poll_grow()  # a failure: the caller's recovery
         if status == ABANDON:
-            self._record_resize(self.elastic.abandon(detail))
+            self.record_resize(self.elastic.abandon(detail))
         elif status == JOIN:
             t0 = time.perf_counter()
             decided = self.elastic.decided_at()
@@ -168,7 +215,7 @@ class MembershipChanges:
             previous, merged = self.world.comm, None
             # ULFM: a death during the join is recovered from here, the joiners with the
             # job once they merged (see _record_death_during_join).
-            with self._recovery_scope() as scope:
+            with self.job.recovery_scope() as scope:
                 try:
                     # What cannot be polled between the joiner's first word and the
                     # confirmation (Create_intercomm, Merge) runs under a watchdog.
@@ -181,39 +228,39 @@ class MembershipChanges:
                         if self.elastic.spawns:  # spawned joiners take the state now
                             faults.point("state", self.state.step)
                             world_mod.agree_all_alive(self.world.comm)  # the joiners too
-                            self._sync_state(receiving=False)
+                            self.sync_state(receiving=False)
                         self._confirm_join()
                 except JoinAborted as exc:
-                    self._record_resize(self.elastic.abandon(str(exc)))
+                    self.record_resize(self.elastic.abandon(str(exc)))
                     return
                 except world_mod.FAILURES as exc:
                     if world_mod.ULFM:
                         self._record_death_during_join(previous, merged, old, reason)
                         raise
                     if merged is None:
-                        self.stops.fail(exc)  # a rank of the running job itself failed
+                        self.job.stops.fail(exc)  # a rank of the running job itself failed
                     # A joiner died after it merged: back to the old world, which holds only
                     # the ranks that trained on (their state is untouched); the merged
                     # communicator is left unfreed (freeing it would wait on the dead).
                     self.world.replace(previous, version=version, keep_old=True)
-                    self.optimizer.ensure_current()
+                    self.job.optimizer.ensure_current()
                     if self.world.rank == 0:
                         for w in workers:
                             w.stop()
-                    self._record_resize(ResizeOutcome(
+                    self.record_resize(ResizeOutcome(
                         old, self.world.size, f"{reason}; abandoned: a joining worker died "
                         f"while it merged ({exc})", 0.0, False))
                     return
             if scope.recovered:
                 if merged is None:
-                    self._record_resize(ResizeOutcome(
+                    self.record_resize(ResizeOutcome(
                         old, old + joiners, f"{reason}; abandoned: a rank of the job died "
                         f"before the merge", 0.0, False))
                 return
             if previous != MPI_COMM_NULL():
                 previous.Free()
-            self._after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
-                               decided)
+            self.after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
+                              decided)
 
     def _record_death_during_join(self, previous, merged, old: int, reason: str) -> None:
         """ULFM: a death while the job joins spawned workers, before its recovery. Before
@@ -225,8 +272,8 @@ class MembershipChanges:
         from hpcadapt.elastic.membership import ResizeOutcome
 
         if merged is not None:
-            self._identical_after_resize = None
-            self._record_resize(ResizeOutcome(old, self.world.size, f"{reason}; merged, then "
+            self.identical_after_resize = None
+            self.record_resize(ResizeOutcome(old, self.world.size, f"{reason}; merged, then "
                                               f"a death during the join: the joiners recover "
                                               f"with the job", 0.0, True))
             if previous != MPI_COMM_NULL():
@@ -254,7 +301,7 @@ class MembershipChanges:
             return None
 
         def expire(reason: str) -> None:
-            self.stops.fail(world_mod.PeerFailure(reason, cause="join"))
+            self.job.stops.fail(world_mod.PeerFailure(reason, cause="join"))
 
         return world_mod.Watchdog(self.options.peer_timeout, "a join", expire, check)
 
@@ -287,17 +334,17 @@ class MembershipChanges:
         wait(self.world.comm.Iallreduce(MPI.IN_PLACE, one, op=MPI.SUM), self.world.watch,
              "the join's confirmation")
 
-    def _join(self) -> None:
+    def join(self) -> None:
         """A worker started for a grow: connect, merge, receive the state."""
         from hpcadapt.elastic.joins import JoinAborted, JoinTicket, join_running_job
         from hpcadapt.elastic.membership import ResizeOutcome
 
-        if self._spawned_to_join:
+        if self.spawned_to_join:
             self._join_spawned()
             return
         self._drop_spawn_parent()
         try:
-            ticket = JoinTicket.claim(self._join_dir)
+            ticket = JoinTicket.claim(self.join_dir)
             # A warm spare idles here until a grow takes it (the deadline starts after).
             port = ticket.wait_for_port()
         except MembershipError as exc:
@@ -313,8 +360,8 @@ class MembershipChanges:
                 self._confirm_join()
         except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
             _give_up_join(exc)
-        self._holds_state = True
-        self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
+        self.holds_state = True
+        self.after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
 
@@ -326,7 +373,7 @@ class MembershipChanges:
         from hpcadapt.elastic.spawned import join_spawning_job
 
         wait_s = self.options.join_timeout + self.options.peer_timeout
-        if self._spare_of:
+        if self.spare_of:
             # A warm spare waits until a grow takes it (or its rank 0 is gone, or the job
             # tells it to go); its merge is bounded like a joiner's.
             wait_s = float("inf")
@@ -335,7 +382,7 @@ class MembershipChanges:
             # ends this process when Open MPI's connection set-up blocks (the job is gone).
             with world_mod.Watchdog(wait_s + 10.0, "waiting for the job's word",
                                     _give_up_join):
-                merged = join_spawning_job(wait_s, self._spare_of)
+                merged = join_spawning_job(wait_s, self.spare_of)
         except MembershipError as exc:
             # The job gave the grow up, or ended: nothing failed here. This process's exit
             # is part of the launch's (mpirun's), whose code is the training's: exit 0
@@ -350,13 +397,13 @@ class MembershipChanges:
             sys.exit(0)
         # A death during the join (ULFM): this worker recovers with the merged world and
         # takes the state from a survivor that holds it.
-        with self._recovery_scope() as scope:
+        with self.job.recovery_scope() as scope:
             try:
                 with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
                                         _give_up_join):
                     self.world.replace(merged)
                     world_mod.agree_all_alive(merged)  # the job's ranks agree on it too
-                    self._sync_state(receiving=True)
+                    self.sync_state(receiving=True)
                     self._confirm_join()
             except world_mod.FAILURES as exc:
                 if not (world_mod.ULFM and self.world.comm is merged):
@@ -370,8 +417,8 @@ class MembershipChanges:
             log.info("joined as rank %d of %d at step %d, through the recovery from a death "
                      "during the join", self.world.rank, self.world.size, self.state.step)
             return
-        self._holds_state = True
-        self._after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
+        self.holds_state = True
+        self.after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
 
@@ -384,7 +431,7 @@ class MembershipChanges:
         if parent != MPI.COMM_NULL:
             parent.Disconnect()
 
-    def _sync_state(self, *, receiving: bool = True) -> None:
+    def sync_state(self, *, receiving: bool = True) -> None:
         """Broadcast the training state from rank 0 so every replica is identical. Ranks
         that already hold it (``receiving=False``: the running job's, after a grow) split
         off and take no part; the broadcast then reaches only the joiners."""
@@ -402,35 +449,37 @@ class MembershipChanges:
         if rank != 0 and version != self.world.cluster_version:
             self.world.adopt_version(version)
 
-    def _after_resize(self, outcome, paused_at: float = float("nan"),
+    def after_resize(self, outcome, paused_at: float = float("nan"),
                       decided_at: float = float("nan")) -> None:
         """Every rank of the new world: rebuild what depends on the size, record the resize,
         and queue the policies' ``on_resize`` for the next boundary."""
-        self.optimizer.set_extra_slots(self.steps.control_layout().length)
-        self.optimizer.ensure_current()
-        self._identical_after_resize = None
+        self.job.optimizer.set_extra_slots(self.job.steps.control_layout().length)
+        self.job.optimizer.ensure_current()
+        self.identical_after_resize = None
         # Under model averaging the replicas differ by design: nothing to compare. Under
         # bounded delay they are rank 0's between rounds (a round given up by a recovery
         # goes back to the weights of its start everywhere).
         strategy = self.state.strategy
         if self.options.check_replicas and outcome.ok and (strategy.averages_gradients
                                                            or strategy.asynchronous):
-            identical = self.replicas_identical()
+            identical = self.job.monitoring.replicas_identical()
             if not identical and self.world.rank == 0:
                 log.error("replicas differ after the resize to %d workers", self.world.size)
-            self._identical_after_resize = identical
-        self.steps.resized()
-        self.monitoring.previous_gradient.forget()
+            self.identical_after_resize = identical
+        self.job.steps.resized()
+        self.job.monitoring.previous_gradient.forget()
         now = time.perf_counter()
         outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
                           decision_to_first_step_s=now - decided_at)
-        self._record_resize(outcome)
+        self.record_resize(outcome)
         # Every rank of the new world queues it (the hook is collective); only rank 0, never
         # a joiner, decides with the sizes.
-        self._queued_hooks.append(("on_resize", {"old_size": outcome.old_size,
-                                                 "new_size": outcome.new_size}))
+        self.job.adaptation.queue_hook("on_resize", old_size=outcome.old_size,
+                                       new_size=outcome.new_size)
 
-    def _record_resize(self, outcome) -> None:
+    def record_resize(self, outcome) -> None:
+        """A resize done or not (``ResizeOutcome``): the summary's row, the metrics line
+        (rank 0 of the running job) and the log line."""
         st = self.state
         row = {"old_size": outcome.old_size, "new_size": outcome.new_size, "ok": outcome.ok,
                "pause_s": outcome.pause_s, "reason": outcome.reason,
@@ -438,34 +487,55 @@ class MembershipChanges:
         self.resizes.append(row)
         if outcome.old_size < 0:
             return  # a joiner's view; rank 0 of the running job records the resize
-        self.recorder.write(ResizeRecord(step=st.step, epoch=st.epoch, old_size=outcome.old_size,
-                                     new_size=outcome.new_size, reason=outcome.reason,
-                                     pause_s=outcome.pause_s, ok=outcome.ok,
-                                     cluster_version=self.world.cluster_version,
-                                     world_size=self.world.size,
-                                     batch_size=st.hyper.batch_size, lr=st.hyper.lr,
-                                     decision_to_first_step_s=outcome.decision_to_first_step_s,
-                                     replicas_identical=self._identical_after_resize
-                                     if outcome.ok else None,
-                                     pids=list(self.world.pids) if outcome.ok else None))
+        self.job.recorder.write(ResizeRecord(
+            step=st.step, epoch=st.epoch, old_size=outcome.old_size,
+            new_size=outcome.new_size, reason=outcome.reason, pause_s=outcome.pause_s,
+            ok=outcome.ok, cluster_version=self.world.cluster_version,
+            world_size=self.world.size, batch_size=st.hyper.batch_size, lr=st.hyper.lr,
+            decision_to_first_step_s=outcome.decision_to_first_step_s,
+            replicas_identical=self.identical_after_resize if outcome.ok else None,
+            pids=list(self.world.pids) if outcome.ok else None))
         if self.world.rank == 0:
             level = logging.INFO if outcome.ok else logging.WARNING
             log.log(level, "resize %d -> %d %s in %.3f s (%s)", outcome.old_size,
                     outcome.new_size, "done" if outcome.ok else "not done", outcome.pause_s,
                     outcome.reason)
 
-    def _finish_elastic(self) -> None:
+    def release_workers(self, *, failed: bool = False) -> None:
+        """At the job's end: the warm spares stopped, the allocator closed (joined workers
+        end on their own, then are killed). ``failed``: the job ends on a failure: rank 0
+        also stops a pending grow's joiners and removes their folders, and the allocator
+        waits 10 s at most, best effort."""
+        elastic, allocator = self.elastic, self.allocator
+        if not failed:
+            if elastic is not None:
+                elastic.stop_spares()
+            if allocator is not None:
+                allocator.close()
+            return
+        if elastic is not None and self.world.rank == 0:
+            elastic.stop_spares()
+            for w in elastic.pending.workers if elastic.pending is not None else []:
+                w.stop()
+            elastic.remove_join_folders()  # a pending grow's (its joiners are stopped)
+        if allocator is not None:
+            try:
+                allocator.close(10.0)
+            except Exception as err:  # pragma: no cover - best effort on the way out
+                log.error("could not stop the joined workers: %s", err)
+
+    def finish(self) -> None:
         """A grow still pending when training ends is abandoned on every rank."""
         if self.elastic is not None and self.elastic.growing and not self.left:
-            self._record_resize(self.elastic.abandon("training ended first",
+            self.record_resize(self.elastic.abandon("training ended first",
                                                      wait_s=self.options.peer_timeout))
 
-    def _leave(self) -> None:
+    def leave(self) -> None:
         """This rank left the job in a shrink: nothing of it is needed any more."""
-        self.stops.close_loader()
-        self.recorder.close()
-        if self._sample_file is not None:
-            self._sample_file.close()
+        self.job.stops.close_loader()
+        self.job.recorder.close()
+        if self.job._sample_file is not None:
+            self.job._sample_file.close()
         world_mod.shutdown()
         logging.shutdown()
         sys.stdout.flush()

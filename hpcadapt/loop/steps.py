@@ -413,7 +413,8 @@ class StepRunner:
         """Ranks the slots have room for: the most this job can grow to (the layout stays
         the same across resizes)."""
         job = self.job
-        cap = job.elastic.allocator.capacity() if job.elastic is not None else 0
+        elastic = job.membership.elastic
+        cap = elastic.allocator.capacity() if elastic is not None else 0
         return max(job.world.size, cap)
 
     def control_layout(self) -> ControlLayout:

@@ -60,7 +60,7 @@ class Stops:
             raise on_every_rank(ConfigurationError(verdict["error"]))
         if not verdict["found"]:
             return False
-        job._sync_state()
+        job.membership.sync_state()
         self.resumed_at = job.state.step
         if job.world.rank == 0:
             log.info("resumed from %s at epoch %d, step %d", path, job.state.epoch,
@@ -133,7 +133,7 @@ class Stops:
                                           waited_s=exc.waited_s,
                                           cluster_version=job.world.cluster_version))
             saved = False
-            if job.options.checkpoint and not job.joining:
+            if job.options.checkpoint and not job.membership.joining:
                 self.stopped = "peer failure"
                 saved = self.save_for_stop(f"the failure of {who}")
                 if not saved:
@@ -147,16 +147,7 @@ class Stops:
         if job._sample_file is not None:
             job._sample_file.close()
         self.close_loader()
-        if job.elastic is not None and job.world.rank == 0:
-            job.elastic.stop_spares()
-            for w in job.elastic.pending.workers if job.elastic.pending is not None else []:
-                w.stop()
-            job.elastic.remove_join_folders()  # a pending grow's (its joiners are stopped)
-        if job.allocator is not None:
-            try:
-                job.allocator.close(10.0)   # joined workers end on their own; then killed
-            except Exception as err:  # pragma: no cover - best effort on the way out
-                log.error("could not stop the joined workers: %s", err)
+        job.membership.release_workers(failed=True)
         if job.world.rank == 0:
             agent.record_exit_code(code)
         world_mod.leave_with_launch_siblings(5.0)
@@ -230,8 +221,9 @@ class Stops:
         return json_safe({"final_test_accuracy": st.last_accuracy, "steps": st.step,
                         "epochs": st.epoch, "world_size": job.world.size,
                         "batch_size": st.hyper.batch_size, "lr": job.steps.last_rate(),
-                        "left": job.left, "cluster_version": job.world.cluster_version,
-                        "resizes": job.resizes, "stopped": self.stopped,
+                        "left": job.membership.left,
+                        "cluster_version": job.world.cluster_version,
+                        "resizes": job.membership.resizes, "stopped": self.stopped,
                         "strategy": st.strategy.name, "model_digest": job.monitoring.model_digest(),
                         "user_metrics": dict(job.recorder.user_metrics),
                         **({"bounded_delay": job.rounds.totals}
@@ -255,16 +247,13 @@ class Stops:
         job.recorder.close()
         if job._sample_file is not None:
             job._sample_file.close()
-        if job.elastic is not None:
-            job.elastic.stop_spares()
-        if job.allocator is not None:
-            job.allocator.close()
+        job.membership.release_workers()
         self.exit_code = 0
         if self.stopped:
             # Requeue only from a saved state (rank 0 saves; the others follow its word).
             self.exit_code = EXIT_REQUEUE if self.requeue and \
                 not self.stopped.endswith("NOT saved") else 1
-        elif job.options.checkpoint and job.world.rank == 0 and not job.joining \
+        elif job.options.checkpoint and job.world.rank == 0 and not job.membership.joining \
                 and os.path.exists(job.options.checkpoint):
             os.unlink(job.options.checkpoint)
             log.info("training finished; removed the preemption checkpoint %s",
