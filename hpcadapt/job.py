@@ -40,13 +40,11 @@ from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.data.loader import ElasticDataLoader, split_micro
 from hpcadapt.loop.adaptation import Adaptation
 from hpcadapt.adapt.control import StepTimes
-from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.loop.failures import FailureRecovery
 from hpcadapt.loop.resizing import MembershipChanges
 from hpcadapt.adapt.monitors import GradientNoiseScale
 from hpcadapt.loop.monitoring import Monitoring
 from hpcadapt.loop.recording import Recorder
-from hpcadapt.loop.rounds import BoundedDelayRounds
 from hpcadapt.loop.steps import StepRunner
 from hpcadapt.loop import setup_checks
 from hpcadapt.loop.stops import Stops
@@ -88,7 +86,7 @@ class Job:
                                             spawned_to_join=config.take_spawned_mark(),
                                             spare_of=config.take_spare_mark())
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
-        self._initial_strategy = strategies.from_options(o)
+        strategies.from_options(o)  # a strategy's unusable settings are refused here
         from hpcadapt.comm.topology import parse_ranks_per_node, parse_topology
 
         parse_topology(o.topology)
@@ -97,13 +95,14 @@ class Job:
             if not (math.isfinite(factor) and factor >= 1.0):
                 raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
                                          f"(2 makes the rank take twice as long)")
+        # Why it stopped, checkpoints, the resume, the exit code; the stop signals' handlers.
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
-        self.stop_signals: Optional[StopSignals] = StopSignals.named(
-            o.stop_signals, saves=bool(o.checkpoint)).install()
+        self.stops = Stops(self, StopSignals.named(o.stop_signals,
+                                                   saves=bool(o.checkpoint)).install())
         self.world = world_mod.init()
-        self.stop_signals.announce = lambda: self.world.rank == 0 and not self.membership.joining
-        self.stops = Stops(self)  # why it stopped, checkpoints, the resume, the exit code
+        self.stops.signals.announce = lambda: (self.world.rank == 0
+                                               and not self.membership.joining)
         # A peer that dies during the user's own collective work: saved, exit 75.
         lifecycle.set_failure_handler(
             lambda exc: self.stops.fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
@@ -115,14 +114,10 @@ class Job:
                         "slowed", o.slow_rank, most)
         # Every wait on a peer is bounded (runtime.PeerWatch); a stop signal is seen there.
         self.world.watch.floor = o.peer_timeout
-        self.world.watch.stop_signals = self.stop_signals
+        self.world.watch.stop_signals = self.stops.signals
         self.device_choice = setup_checks.choose_device(o, self.world)
-        #: where this rank trains: move the model (and each batch) here before ``setup``
-        self.device = torch.device(self.device_choice.torch_device)
-        from hpcadapt.policies.lr_rules import LRRule
-
-        self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
-                                   resize_batch=o.resize_batch)
+        # the policies' plans; the hyper-parameters' writer (unusable policies refused here)
+        self.adaptation = Adaptation(self)
         if o.max_workers is not None:
             self.membership.setup_elastic()
         if not self.membership.joining:
@@ -133,23 +128,11 @@ class Job:
             agent.record_coordinator()  # for the agent's signals, when there is one
         self.state: Optional[TrainingState] = None
         self.extra = UserState()
-        self.finished_by_stop_file = False
         self.steps = StepRunner(self)  # the step in flight and what it leaves behind
         self.recovery = FailureRecovery(self)  # a peer's death, recovered from in place
         self.monitoring = Monitoring(self)  # noise scale, timings, snapshot, metrics lines
-        self.adaptation = Adaptation(self)  # the policies' plans; the hyper-parameters' writer
-        self.rounds = BoundedDelayRounds(self, self.steps)
-        self._resumed = False
-        # Set by a recovery: the loop iteration it cut short starts again from the state the
-        # survivors agreed on (read once, by the loop's scope: _take_restart).
-        self._restart = False
-        self._sample_file = None
         if o.sample_log:
-            os.makedirs(o.sample_log, exist_ok=True)
-            # Line-buffered: a worker killed at any moment has written every step it
-            # committed (the failure tests count samples from these files).
-            self._sample_file = open(os.path.join(o.sample_log, f"samples-{os.getpid()}.jsonl"),
-                                     "a", encoding="utf-8", buffering=1)
+            self.recorder.open_sample_log(o.sample_log)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               loader: ElasticDataLoader, *, extra: Optional[Mapping[str, Any]] = None,
@@ -171,7 +154,7 @@ class Job:
                 f"the global batch size {loader.batch_size} is below the {self.world.size} "
                 f"workers: each needs at least one sample per step; use a batch size of at "
                 f"least {self.world.size}")
-        strategy = self._initial_strategy
+        strategy = strategies.from_options(o)
         if strategy.min_workers > max(self.world.size, o.initial_workers or 0) \
                 and not self.membership.joining:
             what = ("a peer to average with" if strategy.pairs_models
@@ -182,7 +165,7 @@ class Job:
                 f"--initial-workers 2) or use --strategy ssgd")
         self.extra = UserState(extra)
         self.extra.check_serialisable()
-        self.identity = dict(identity or {})
+        self.stops.expect_identity(identity)
         self.model, self.loader = model, loader
         plane = setup_checks.data_plane(model, o, self.device, self.device_choice)
         self.optimizer = DistributedOptimizer(
@@ -196,20 +179,19 @@ class Job:
         self.monitoring.configure()
         self.state = TrainingState(model, optimizer, loader.sampler, hyper,
                                    GradientNoiseScale(o.monitor_ema, o.monitor_window),
-                                   self.extra, self.engine)
-        self.state.strategy = self._initial_strategy
+                                   self.extra, self.adaptation.engine)
+        self.state.strategy = strategy
         self.state.topology = o.topology
         loader.bind(self._batches, lambda: self.state.hyper.batch_size)
         loader.sampler.job_driven = True
         if self.membership.joining:
             self.membership.join()
         else:
-            if o.checkpoint:
-                self._resumed = self.stops.resume(o.checkpoint)
+            resumed = bool(o.checkpoint) and self.stops.resume(o.checkpoint)
             if o.warm_spares and self.membership.elastic is None:
                 raise on_every_rank(ConfigurationError(
                     "--warm-spares needs --max-workers (the allocator that starts them)"))
-            start_size, reason = self.membership.start_size(self._resumed)
+            start_size, reason = self.membership.start_size(resumed)
             if start_size > self.world.size:
                 self.membership.start_initial_workers(start_size, reason)
             if self.membership.elastic is not None:
@@ -219,9 +201,14 @@ class Job:
                          self.world.size, "worker" if self.world.size == 1 else "workers",
                          self.state.hyper.batch_size,
                          self.state.strategy.describe(),
-                         ", ".join(p.name for p in self.engine.policies) or "none")
+                         ", ".join(p.name for p in self.adaptation.engine.policies) or "none")
                 log.info("%s", flavour().startup_line(o.on_failure == "recover"))
         return self
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank trains: move the model (and each batch) here before ``setup``."""
+        return torch.device(self.device_choice.torch_device)
 
     @property
     def rank(self) -> int:
@@ -414,7 +401,7 @@ class Job:
                     continue
                 if not self.recorder.epoch_logged:
                     self.log_epoch()
-                if self.finished_by_stop_file or self._max_steps_reached():
+                if self.stops.by_stop_file or self._max_steps_reached():
                     break
                 done = st.sampler.epoch_done
                 if self._hook_in_scope("after_epoch"):
@@ -439,7 +426,7 @@ class Job:
         # A recovery may hand this rank the state of a survivor already in the next epoch:
         # this epoch's iteration then ends (job.epochs() goes on from that state).
         while st.epoch == epoch and not st.sampler.epoch_done and not self._over():
-            self._restart = False  # a recovery in an epoch hook needs no redo
+            self.recovery.take_restart()  # a recovery in an epoch hook needs no redo
             rounds = st.strategy.asynchronous and self.world.size > 1
             going_on = True
             # The loop's recovery scope: a peer's failure anywhere in the step (round) or at
@@ -450,12 +437,13 @@ class Job:
             # join and of switch_strategy).
             with self.recovery_scope() as scope:
                 scope.step_given_up = True
-                count = yield from (self.rounds.round() if rounds else self.steps.sync_step())
+                count = yield from (self.steps.rounds.round() if rounds
+                                    else self.steps.sync_step())
                 scope.step_given_up = False
-                if not self._restart:
+                if not self.recovery.restart_pending:
                     going_on = self._boundary(count, round_end=rounds)
             self.steps.undo_user_code_of_given_up_step()
-            if self._take_restart():
+            if self.recovery.take_restart():
                 continue
             if self.membership.left:
                 self.membership.leave()
@@ -474,7 +462,6 @@ class Job:
 
         done = self.recovery.recover(exc, holds_state=self.membership.holds_state)
         self.membership.took_state()
-        self._restart = True
         self.steps.recovered(given_up=step_given_up)
         dead = list(done.dead)
         if self.world.rank == 0:
@@ -501,7 +488,7 @@ class Job:
         with self.recovery_scope():
             world_mod.wait_request(self.world.comm.Ibarrier(), self.world.watch,
                                    "the end of training")
-        return self._take_restart()
+        return self.recovery.take_restart()
 
     def _boundary(self, count: int, *, round_end: bool = False) -> bool:
         """Between two steps, on every rank: metrics, stop, policies, resizes. Returns
@@ -516,10 +503,7 @@ class Job:
             self.stops.stop_for_divergence()
             return False
         if self.steps.finish_requested:
-            self.finished_by_stop_file = True
-            if self.world.rank == 0:
-                log.info("stop file %s found at step %d: training ends here",
-                         self.options.stop_file, st.step)
+            self.stops.finish_by_stop_file()
             return False
         if self._max_steps_reached():
             return False
@@ -537,7 +521,7 @@ class Job:
             self.adaptation.hook(name, **extra)
             if self.membership.left:
                 return False
-        if self.engine.active and (round_end or self.engine.due(st.step, self.steps.monitored)):
+        if self.adaptation.due(round_end=round_end):
             self.adaptation.hook("after_step")
         if not self.membership.left:
             self.membership.poll()
@@ -546,7 +530,7 @@ class Job:
         return not self.membership.left
 
     def _over(self) -> bool:
-        return bool(self.membership.left or self.stopped or self.finished_by_stop_file
+        return bool(self.membership.left or self.stopped or self.stops.by_stop_file
                     or self._max_steps_reached())
 
     def _max_steps_reached(self) -> bool:
@@ -581,7 +565,7 @@ class Job:
         recovery scope; whether a recovery cut it short."""
         with self.recovery_scope():
             self.adaptation.hook(name)
-        return self._take_restart()
+        return self.recovery.take_restart()
 
     def recovery_scope(self) -> RecoveryScope:
         """Where a peer's failure is recovered from: see ``RecoveryScope``."""
@@ -591,12 +575,7 @@ class Job:
     def restart_pending(self) -> bool:
         """Whether a recovery (in ``job.step``) asked the loop to start its iteration again:
         a bounded-delay worker's round stops handing out batches then."""
-        return self._restart
-
-    def _take_restart(self) -> bool:
-        """Whether a recovery asked the loop to start the iteration again (read once)."""
-        restart, self._restart = self._restart, False
-        return restart
+        return self.recovery.restart_pending
 
     def _require_setup(self) -> TrainingState:
         if self.state is None:

@@ -190,3 +190,19 @@ def test_the_hyper_parameter_reader_sees_aliases_and_plain_writes():
             " st.hyper = 3\n other = st.sampler\n other.lr = 4\n")
     assert sorted(hyper_writes(ast.parse(code))) == [(3, "hyper.lr"), (4, "hyper.batch_size"),
                                                      (5, "hyper")]
+
+
+def job_attributes():
+    """The attributes the Job's class assigns on ``self``."""
+    tree = ast.parse(open(os.path.join(ROOT, "hpcadapt", "job.py"), encoding="utf-8").read())
+    return set(self_writes(_class_named(tree, "Job")))
+
+
+def test_the_job_holds_references_and_delegates():
+    """At most 15 attributes (issue 32): the options, the world, the training state, the
+    user's model, optimizer, loader and extra state, the device, and the collaborators that
+    own everything else; the Job is built from no mixin."""
+    attributes = job_attributes()
+    assert len(attributes) <= 15, sorted(attributes)
+    tree = ast.parse(open(os.path.join(ROOT, "hpcadapt", "job.py"), encoding="utf-8").read())
+    assert not _class_named(tree, "Job").bases, "the Job is one class, not mixins"

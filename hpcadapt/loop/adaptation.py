@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.base import faults
 from hpcadapt.base.errors import HpcAdaptError
 from hpcadapt.base.metrics import DecisionRecord, StrategyRecord, TopologyRecord
@@ -32,10 +33,23 @@ class Adaptation:
     learning-rate ramp a batch change starts."""
 
     def __init__(self, job):
+        from hpcadapt.policies.lr_rules import LRRule
+
         self.job = job
+        o = job.options
+        #: the policies and the rate rule: a snapshot in, decisions and a plan out
+        self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
+                                   resize_batch=o.resize_batch)
         # hooks to run at the next boundary (a resize's on_resize, queued by every rank of
         # the new world: the hook is collective)
         self._queued: list = []
+
+    def due(self, *, round_end: bool = False) -> bool:
+        """Whether the policies decide at this step boundary (their interval, or the end of
+        a bounded-delay round)."""
+        job = self.job
+        return self.engine.active and (round_end or self.engine.due(job.state.step,
+                                                                    job.steps.monitored))
 
     def queue_hook(self, name: str, **extra: Any) -> None:
         """Run the policies' hook ``name`` at the next step boundary."""
@@ -60,15 +74,15 @@ class Adaptation:
         """Rank 0 decides with the policies; every rank applies the same plan. A peer's
         failure goes to the loop's recovery scope."""
         job = self.job
-        if not job.engine.active:
+        if not self.engine.active:
             return
         plan_text = ""
         snap = decisions = None
         if job.world.rank == 0:
             snap = job.monitoring.snapshot()
-            decisions = job.engine.decide(name, snap, **extra)
+            decisions = self.engine.decide(name, snap, **extra)
             if decisions:
-                plan_text = job.engine.plan(decisions, snap, job.world.cluster_version).to_json()
+                plan_text = self.engine.plan(decisions, snap, job.world.cluster_version).to_json()
         faults.point("plan", job.state.step)
         plan_text = root_tells(plan_text or None, job.world, what="the plan's broadcast")
         if plan_text:
@@ -91,15 +105,15 @@ class Adaptation:
                 log.info("decision at step %d by %s: %s (%s)", snap.step, d["policy"],
                          d["changes"], d["reason"])
         if job.world.rank == 0:
-            job.engine.told(decisions, snap)
+            self.engine.told(decisions, snap)
         # The policies' state after a decision goes to every rank (one small broadcast per
         # decision, in the world that decided, before a resize changes it): a worker that
         # becomes the coordinator (rank 0 died) then holds it as of the last decision, so no
         # decision already applied is taken again.
-        state = root_tells(job.engine.state_dict() if job.world.rank == 0 else None,
+        state = root_tells(self.engine.state_dict() if job.world.rank == 0 else None,
                            job.world, what="the policies' state")
         if job.world.rank != 0:
-            job.engine.load_state_dict(state)
+            self.engine.load_state_dict(state)
         self.apply_plan(plan)
 
     def apply_plan(self, plan: Plan) -> None:

@@ -2,8 +2,9 @@
 without them, and take the state of the one furthest on.
 
 ``FailureRecovery`` is the Job's collaborator for it: ``recover`` returns a typed
-``Recovered`` outcome for the Job to act on (restart the loop's iteration, record the
-resize, replace the dead), or ends the job through ``job.stops.fail`` (state saved, exit 75)
+``Recovered`` outcome for the Job to act on (record the resize, replace the dead) and asks
+the loop to start its iteration again (``restart_pending``, read once by the loop's scope
+through ``take_restart``), or ends the job through ``job.stops.fail`` (state saved, exit 75)
 when the death cannot be survived. It assigns none of the Job's attributes."""
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ class FailureRecovery:
 
     def __init__(self, job):
         self.job = job
+        # Set by a recovery: the loop's iteration it cut short starts again from the state
+        # the survivors agreed on (read once, by the loop's scope: take_restart).
+        self.restart_pending = False
+
+    def take_restart(self) -> bool:
+        """Whether a recovery asked the loop to start its iteration again (read once)."""
+        restart, self.restart_pending = self.restart_pending, False
+        return restart
 
     @property
     def recoverable(self) -> bool:
@@ -129,12 +138,13 @@ class FailureRecovery:
                 root, same = self._survey_survivors(holds_state)
                 t_surveyed = time.perf_counter()
                 if not same:
-                    policy_state = job.engine.state_dict() if job.world.rank == 0 else None
+                    engine = job.adaptation.engine
+                    policy_state = engine.state_dict() if job.world.rank == 0 else None
                     view = CommView(job.world.comm, job.world.cluster_version,
                                     job.world.watch)
                     st.broadcast(view, is_root=job.world.rank == root, root=root)
                     if policy_state is not None:
-                        job.engine.load_state_dict(policy_state)  # rank 0's decide
+                        engine.load_state_dict(policy_state)  # rank 0's decide
             except world_mod.FAILURES as again:
                 again = world_mod.as_failure(again, "the recovery")
                 if not (world_mod.ULFM and again.cause in ("dead", "notice")
@@ -158,6 +168,7 @@ class FailureRecovery:
             detected_unix=exc.detected_at, recovered_unix=recovered, waited_s=exc.waited_s,
             recovery_s=recovered - exc.detected_at, cluster_version=job.world.cluster_version,
             previous_cluster_version=version, **phases))
+        self.restart_pending = True
         return Recovered(tuple(agreement.dead), old_size, job.world.size, t0, str(exc))
 
     def coordinator_may_move(self) -> bool:

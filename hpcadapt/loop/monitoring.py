@@ -43,7 +43,7 @@ class Monitoring:
         import functools
 
         job = self.job
-        o, engine = job.options, job.engine
+        o, engine = job.options, job.adaptation.engine
         monitors = list(dict.fromkeys(list(o.monitors) + engine.required_monitors))
         intervals = [o.monitor_interval] if o.monitors else []
         intervals += [max(1, int(p.interval)) for p in engine.policies if p.requires]

@@ -3,10 +3,14 @@
 The job hands it each record (steps, decisions, switches, resizes, failures, stops) and
 tells it where an epoch starts and what each step trained; it writes the epoch line from
 those totals and keeps the user's last metrics for the summary. A recovery that makes this
-rank the new rank 0 takes the file over (``take_over``). Only rank 0's recorder writes."""
+rank the new rank 0 takes the file over (``take_over``). Only rank 0's recorder writes the
+metrics; with ``--sample-log`` every process writes the samples each of its steps trained
+on, to a file of its own."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import asdict
 from typing import Any, Dict, List, Mapping, Optional
@@ -29,12 +33,38 @@ class Recorder:
         self._samples = 0
         self._losses: List[float] = []
         self._started = time.perf_counter()
+        self._sample_file = None
+
+    def open_sample_log(self, folder: str) -> None:
+        """``--sample-log``: this process's own file of the samples each step trained on."""
+        os.makedirs(folder, exist_ok=True)
+        # Line-buffered: a worker killed at any moment has written every step it committed
+        # (the failure tests count samples from these files).
+        self._sample_file = open(os.path.join(folder, f"samples-{os.getpid()}.jsonl"), "a",
+                                 encoding="utf-8", buffering=1)
+
+    @property
+    def logs_samples(self) -> bool:
+        return self._sample_file is not None
+
+    def log_samples(self, *, epoch: int, step: int, rank: int, size: int, version: int,
+                    indices) -> None:
+        """One step's samples of one rank (``indices``: an integer array), when
+        ``--sample-log`` is on."""
+        if self._sample_file is not None:
+            self._sample_file.write(json.dumps({
+                "epoch": epoch, "step": step, "rank": rank, "size": size, "version": version,
+                "indices": indices.tolist()}) + "\n")
 
     def write(self, record: Any) -> None:
         self._sink.write(record)
 
     def close(self) -> None:
+        """The metrics file and the sample log closed."""
         self._sink.close()
+        if self._sample_file is not None:
+            self._sample_file.close()
+            self._sample_file = None
 
     def take_over(self, metrics_file: Optional[str]) -> None:
         """This rank became rank 0 in a recovery: append to the file the old one wrote."""

@@ -534,8 +534,6 @@ class MembershipChanges:
         """This rank left the job in a shrink: nothing of it is needed any more."""
         self.job.stops.close_loader()
         self.job.recorder.close()
-        if self.job._sample_file is not None:
-            self.job._sample_file.close()
         world_mod.shutdown()
         logging.shutdown()
         sys.stdout.flush()

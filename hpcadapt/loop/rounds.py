@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 
-import json
 import os
 import time
 from typing import Any, Dict, Iterator, Optional
@@ -168,9 +167,8 @@ class BoundedDelayRounds:
         job.recorder.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
                                               steps=steps, max_delay=st.strategy.max_delay,
                                               world_size=world.size, **report.to_dict()))
-        if job._sample_file is not None:
+        if job.recorder.logs_samples:
             for slot, worker, indices in report.applied:
-                job._sample_file.write(json.dumps({
-                    "epoch": st.epoch, "step": step0 + slot, "rank": worker,
-                    "size": world.size, "version": world.cluster_version,
-                    "indices": indices.tolist()}) + "\n")
+                job.recorder.log_samples(epoch=st.epoch, step=step0 + slot, rank=worker,
+                                         size=world.size, version=world.cluster_version,
+                                         indices=indices)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import json
 import math
 import os
 import time
@@ -27,6 +26,7 @@ from hpcadapt.base import faults
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.comm import world as world_mod
 from hpcadapt.data.loader import WalkKey, split_micro
+from hpcadapt.loop.rounds import BoundedDelayRounds
 from hpcadapt.adapt.control import ControlLayout, StepTimes
 from hpcadapt.parallel.optimizer import GradientStats
 from hpcadapt.state.rollback import StepCommit
@@ -55,6 +55,8 @@ class StepRunner:
 
     def __init__(self, job):
         self.job = job
+        #: bounded delay's rounds, driven through this runner's methods
+        self.rounds = BoundedDelayRounds(job, self)
         self.open = False            # a step (worker batch) whose job.step calls are due
         # The state the step (round) in flight may change, as of its start (rollback.py):
         # a recovery undoes the uncommitted step with it. None once the step commits.
@@ -203,15 +205,12 @@ class StepRunner:
         opt.set_strategy(st.strategy)
         opt.set_topology(st.topology, o.ranks_per_node)
         opt.begin_step(st.step)
-        sample_file = job._sample_file
-        if sample_file is not None:
-            # A step given up by a recovery is logged again when it is redone, with the
-            # new world's cluster version: per step, the records of the highest version
-            # are the ones that trained.
-            sample_file.write(json.dumps({
-                "epoch": st.epoch, "step": st.step, "rank": world.rank,
-                "size": world.size, "version": world.cluster_version,
-                "indices": part.indices.tolist()}) + "\n")
+        # A step given up by a recovery is logged again when it is redone, with the new
+        # world's cluster version: per step, the records of the highest version are the
+        # ones that trained.
+        job.recorder.log_samples(epoch=st.epoch, step=st.step, rank=world.rank,
+                                 size=world.size, version=world.cluster_version,
+                                 indices=part.indices)
         return part, micro
 
     def open_step(self, send: Optional[Callable[[Optional[float], float], None]] = None
@@ -387,7 +386,7 @@ class StepRunner:
         the cursor, the step counter and the scale-invariant progress move; nothing is in
         flight any more."""
         st = self.job.state
-        adascale = self.job.engine.lr_rule.rule == "adascale"
+        adascale = self.job.adaptation.engine.lr_rule.rule == "adascale"
         st.sampler.advance(count)
         st.step += steps
         for _ in range(steps):
@@ -421,7 +420,7 @@ class StepRunner:
         return ControlLayout(self.slot_ranks())
 
     def stop_signal_received(self) -> bool:
-        signals = self.job.stop_signals
+        signals = self.job.stops.signals
         return signals is not None and signals.received is not None
 
     def _stage_control(self) -> None:

@@ -16,10 +16,10 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
-from hpcadapt.base import agent_files as agent, lifecycle
+from hpcadapt.base import agent_files as agent, lifecycle, strategies
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.base.metrics import FailureRecord, ResumeRecord, StopRecord, json_safe
-from hpcadapt.base.preemption import EXIT_REQUEUE
+from hpcadapt.base.preemption import EXIT_REQUEUE, StopSignals
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 from hpcadapt.data.loader import sweep_dead_worker_dirs
@@ -35,12 +35,29 @@ class Stops:
     cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the end
     of the job (summary, exit code)."""
 
-    def __init__(self, job):
+    def __init__(self, job, signals: Optional[StopSignals] = None):
         self.job = job
+        #: the stop signals' handlers (installed before MPI starts): what was received
+        self.signals = signals
+        #: values a checkpoint must match to be resumed (``job.setup(identity=...)``)
+        self.identity: Dict[str, Any] = {}
         self.stopped: Optional[str] = None  # why training stopped (None: it did not)
         self.requeue = True      # whether a stop asks the job script to requeue (exit 75)
         self.exit_code = 0
         self.resumed_at: Optional[int] = None  # the step a resume started from
+        self.by_stop_file = False  # --stop-file was found: training ended there (exit 0)
+
+    def expect_identity(self, identity: Optional[Dict[str, Any]]) -> None:
+        """The values a checkpoint must match to be resumed, and that a save records."""
+        self.identity = dict(identity or {})
+
+    def finish_by_stop_file(self) -> None:
+        """``--stop-file`` appeared: training ends at this boundary, as a finished run."""
+        self.by_stop_file = True
+        job = self.job
+        if job.world.rank == 0:
+            log.info("stop file %s found at step %d: training ends here",
+                     job.options.stop_file, job.state.step)
 
     def resume(self, path: str) -> bool:
         """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
@@ -49,7 +66,7 @@ class Stops:
         if job.world.rank == 0 and os.path.exists(path):
             found = True
             try:
-                job.state.load(path, identity=job.identity)
+                job.state.load(path, identity=self.identity)
             except (OSError, ValueError, KeyError, RuntimeError, TypeError,
                     ConfigurationError) as exc:
                 error = (f"cannot resume from {path}: {exc}; remove it or pass another "
@@ -70,10 +87,11 @@ class Stops:
                                          saved_world_size=job.state.world_size,
                                          checkpoint=path,
                                          cluster_version=job.world.cluster_version))
-            if job.state.strategy != job._initial_strategy:
+            flags = strategies.from_options(job.options)
+            if job.state.strategy != flags:
                 log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
                             "the run had switched; a policy may switch again)",
-                            job.state.strategy.describe(), job._initial_strategy.describe())
+                            job.state.strategy.describe(), flags.describe())
             if job.state.topology != job.options.topology:
                 log.warning("resumed with the checkpoint's allreduce topology %s (the flags "
                             "say %s: the run had switched)", job.state.topology,
@@ -85,12 +103,12 @@ class Stops:
         job = self.job
         job.state.world_size = job.world.size
         job.state.save(path, cluster_version=job.world.cluster_version,
-                        identity=job.identity)
+                        identity=self.identity)
 
     def stop_for_signal(self) -> None:
         """Every rank, at the boundary where a stop signal became known: rank 0 saves."""
         job = self.job
-        name = (job.stop_signals.received if job.stop_signals and job.stop_signals.received
+        name = (self.signals.received if self.signals and self.signals.received
                 else "a stop signal on another rank")
         self.stopped = name
         saved = None
@@ -144,8 +162,6 @@ class Stops:
                           "a joined worker does not save", st.step, code)
             self.record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
         job.recorder.close()
-        if job._sample_file is not None:
-            job._sample_file.close()
         self.close_loader()
         job.membership.release_workers(failed=True)
         if job.world.rank == 0:
@@ -226,8 +242,8 @@ class Stops:
                         "resizes": job.membership.resizes, "stopped": self.stopped,
                         "strategy": st.strategy.name, "model_digest": job.monitoring.model_digest(),
                         "user_metrics": dict(job.recorder.user_metrics),
-                        **({"bounded_delay": job.rounds.totals}
-                           if job.rounds.totals else {})})
+                        **({"bounded_delay": job.steps.rounds.totals}
+                           if job.steps.rounds.totals else {})})
 
     def finish(self, *, exit: bool = True) -> Dict[str, Any]:
         """End the job on every rank: rank 0 prints the summary as one line of JSON (and
@@ -245,8 +261,6 @@ class Stops:
                 with open(job.options.summary_json, "w", encoding="utf-8") as f:
                     json.dump(summary, f)
         job.recorder.close()
-        if job._sample_file is not None:
-            job._sample_file.close()
         job.membership.release_workers()
         self.exit_code = 0
         if self.stopped:
