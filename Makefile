@@ -82,7 +82,7 @@ test-long:
 
 # Kills of any rank under `mpirun --with-ft ulfm` (skipped on an MPI without ULFM).
 test-ulfm: $(STAMP)
-	$(TIMEOUT) 2100 $(PYTEST) -q --timeout=600 --durations=10 tests/test_ulfm.py
+	$(TIMEOUT) 2100 $(PYTEST) -q --timeout=600 --durations=10 tests/faults/test_ulfm.py
 
 test-unit: $(STAMP)
 	$(TIMEOUT) $(UNIT_CAP) $(PYTEST) -q --timeout=600 --durations=20 tests

@@ -21,8 +21,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 3
 python3 -c 'from hpcadapt.cuda.device import gpu_problems; print("gpu_problems:", gpu_problems())'
 timeout "${TEST_S:-300}" python3 -m pytest -p no:cacheprovider -q -rs --timeout 200 \
-  tests/test_cuda_gpu.py tests/test_cuda_staged_mpi.py tests/test_cuda_cpu.py \
-  tests/test_bench_gpu_cli.py ${EXTRA_TESTS:-} 2>&1 | tee "$OUT/tests.log"
+  tests/e2e/test_cuda_gpu.py tests/mpi/test_cuda_staged_mpi.py tests/unit/test_cuda_cpu.py \
+  tests/e2e/test_bench_gpu_cli.py ${EXTRA_TESTS:-} 2>&1 | tee "$OUT/tests.log"
 echo "tests rc=${PIPESTATUS[0]}"
 timeout "${BENCH_S:-180}" python3 benchmarks/run.py gpu --json "$OUT/bench-gpu.json" 2>&1 \
   | tee "$OUT/bench.log"

@@ -5,8 +5,8 @@ a GPU).
 
 ``hpcadapt.parallel.dataplane`` picks among them for the optimizer; the host collectives themselves
 refuse CUDA tensors with a clear error. The device-generic parts are tested on the CPU
-(tests/test_cuda_cpu.py, tests/test_cuda_staged_mpi.py); the GPU-only calls in
-tests/test_cuda_gpu.py, which skips without a GPU (first run on an H200: docs/guides/gpus.md)."""
+(tests/unit/test_cuda_cpu.py, tests/mpi/test_cuda_staged_mpi.py); the GPU-only calls in
+tests/e2e/test_cuda_gpu.py, which skips without a GPU (first run on an H200: docs/guides/gpus.md)."""
 
 if __name__ == "cuda":
     # Imported as a top-level ``cuda``: Python started in the repository's root (``python -m

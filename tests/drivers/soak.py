@@ -730,11 +730,11 @@ def main(argv=None) -> int:
     p.add_argument("--victim", choices=("random", "highest"), default="random",
                    help="which joined rank a kill takes: any (random) or the highest; with 4 "
                    "workers, rank 2 relays the boundary's plan broadcast to rank 3 (binomial "
-                   "tree), and its death there hangs the job (see tests/test_soak.py)")
+                   "tree), and its death there hangs the job (see tests/faults/test_soak.py)")
     p.add_argument("--kill-after-steps", type=int, default=10,
                    help="kill this many steps after the resize that made the world (0: at "
                    "once, in the boundary broadcasts right after a join, where the survivors "
-                   "can end up at different points: see tests/test_soak.py)")
+                   "can end up at different points: see tests/faults/test_soak.py)")
     p.add_argument("--event-timeout", type=float, default=240.0,
                    help="seconds any one wait may take before the soak fails as a hang")
     p.add_argument("--start-timeout", type=float, default=240.0)

@@ -18,7 +18,7 @@ from mpi4py import MPI
 
 from conftest import FULL, ROOT, complete_rows, reap_on_teardown, repeats
 from procs import alive, launch_ranks
-from test_failure import every_sample_once
+from runs import every_sample_once
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     MPI.get_vendor()[0] != "Open MPI",
@@ -361,7 +361,7 @@ POLICY = ["--policy", "gns-batch", "--gns-batch-warmup", "5", "--gns-batch-inter
     # and trained again from the weights of its start (the aggregator had applied updates;
     # without that rollback the replicas differ after the recovery). The other worker is
     # slowed, so the recovery mostly finds it mid-batch; a send of its that fails is
-    # recovered by job.step (tests/test_recovery_scope.py covers that path exactly).
+    # recovered by job.step (tests/unit/test_recovery_scope.py covers that path exactly).
     ("gradient:1:30", ["--strategy", "bounded-delay", "--slow-rank", "2",
                        "--slow-compute", "20"], [1]),
 ], ids=lambda v: v if isinstance(v, str) else "bounded-delay" if "bounded-delay" in v else None)
@@ -556,7 +556,7 @@ def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
 
 
 # -- inside a Slurm job (the real test cluster) -----------------------------------------------
-from test_slurm import cancel_leftovers, cluster, job_env  # noqa: E402,F401 (fixtures)
+from slurm_cluster import cancel_leftovers, cluster, job_env  # noqa: E402,F401 (fixtures)
 
 
 @pytest.mark.slurm

@@ -12,32 +12,16 @@ from pathlib import Path
 import pytest
 
 from conftest import FULL, ROOT, mpiexec
-from test_failure import Run, every_sample_once
+from runs import Run, every_sample_once, train
 
 pytestmark = pytest.mark.slow
-
-TRAIN = ["-m", "hpcadapt.train", "--no-progress", "--batch-size", "32", "--lr", "0.05",
-         "--seed", "0", "--threads", "1"]
-
-
-def _train(tmp_path, name, flags, epochs=8, ranks=2):
-    metrics = tmp_path / f"{name}.jsonl"
-    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable] + TRAIN +
-                          ["--epochs", str(epochs), "--metrics-file", str(metrics),
-                           "--sample-log", str(tmp_path / f"{name}-samples")] + flags,
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return summary, rows
-
 
 def test_every_strategy_trains_to_within_a_point_of_ssgd(tmp_path):
     acc = {}
     for name, flags in [("ssgd", []), ("sma", ["--strategy", "sma"]),
                         ("local-sgd", ["--strategy", "local-sgd", "--local-sgd-period", "4"]),
                         ("pair-avg", ["--strategy", "pair-avg"])]:
-        summary, _ = _train(tmp_path, name, flags)
+        summary, _ = train(tmp_path, name, flags)
         acc[name] = summary["final_test_accuracy"]
         every_sample_once(tmp_path / f"{name}-samples")
     print("final test accuracy:", acc)
@@ -48,7 +32,7 @@ def test_every_strategy_trains_to_within_a_point_of_ssgd(tmp_path):
 
 def test_a_switch_mid_epoch_to_ssgd_and_back_leaves_identical_replicas(tmp_path):
     # digits: 45 steps an epoch at batch 32; every switch lands inside an epoch
-    _, rows = _train(tmp_path, "switch", [
+    _, rows = train(tmp_path, "switch", [
         "--strategy", "sma", "--check-replicas", "--policy", "sync-switch",
         "--sync-switch-steps", "20:ssgd,50:sma,80:local-sgd,110:ssgd,140:sma"], epochs=4)
     switches = [r for r in rows if r["event"] == "strategy"]
@@ -88,7 +72,7 @@ def test_model_averaging_goes_on_across_a_grow_and_a_shrink(tmp_path, strategy):
 
 
 def test_a_switch_from_pair_averaging_into_ssgd_leaves_identical_replicas(tmp_path):
-    _, rows = _train(tmp_path, "pair-switch", [
+    _, rows = train(tmp_path, "pair-switch", [
         "--strategy", "pair-avg", "--check-replicas", "--policy", "sync-switch",
         "--sync-switch-steps", "20:ssgd,50:pair-avg,80:ssgd"], epochs=3)
     switches = [r for r in rows if r["event"] == "strategy"]
@@ -101,7 +85,7 @@ def test_a_switch_from_pair_averaging_into_ssgd_leaves_identical_replicas(tmp_pa
 
 @pytest.mark.skipif(not FULL, reason="make test-long")
 def test_topology_auto_takes_the_hierarchical_allreduce_on_two_emulated_nodes(tmp_path):
-    summary, rows = _train(tmp_path, "topo", [
+    summary, rows = train(tmp_path, "topo", [
         "--ranks-per-node", "2", "--policy", "topology-auto", "--topology-auto-window", "10"],
         epochs=3, ranks=4)
     switches = [r for r in rows if r["event"] == "topology"]
@@ -147,7 +131,7 @@ def test_a_strategy_registered_from_outside_trains_under_the_entry_point(tmp_pat
     """Adding a strategy is one module (tests/scripts/sparse_sma_strategy.py, outside the
     package) and its registration: its flags reach the entry point, it trains every sample
     once, sync-switch leaves it for ssgd (replicas identical again) and comes back to it with
-    its settings (tests/test_strategy.py: plans and checkpoints carry it)."""
+    its settings (tests/unit/test_strategy.py: plans and checkpoints carry it)."""
     script = str(Path(ROOT) / "tests" / "scripts" / "sparse_sma_strategy.py")
     metrics = tmp_path / "m.jsonl"
     flags = ["--no-progress", "--batch-size", "32", "--lr", "0.05", "--seed", "0",

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FULL, complete_rows
+from slurm_cluster import cancel_leftovers, cluster, job_env  # noqa: F401 (fixtures)
 from hpcadapt.base.errors import AllocationError
 from hpcadapt.slurm.commands import (check_hostlist, check_job_id, check_node_name,
                                      check_partition, parse_cpus_per_node, parse_duration,
@@ -27,7 +28,7 @@ from hpcadapt.slurm.commands import (check_hostlist, check_job_id, check_node_na
                                      parse_sinfo_nodes, parse_squeue, permits_job_expansion,
                                      run_slurm, show_hostnames, SlurmCommandError)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "slurm"
 TRAIN_SBATCH = str(ROOT / "slurm" / "train.sbatch")
 
@@ -106,44 +107,6 @@ def test_slurm_allocator_outside_a_job_falls_back_to_local_in_one_line(tmp_path)
 
 
 # -- against the real test cluster ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster():
-    from hpcadapt.slurm.testcluster.cluster import TestCluster, ensure_packages
-
-    c = TestCluster()
-    started = False
-    if c.running():
-        import warnings
-
-        warnings.warn(f"the Slurm tests use the test cluster already running in {c.root} "
-                      f"(started by another run; it is left up)")
-    else:
-        if os.geteuid() != 0:
-            try:
-                ensure_packages()
-            except Exception as exc:  # not root and Slurm missing: nothing to test against
-                pytest.skip(f"no Slurm test cluster possible here: {exc}")
-        c.up()
-        started = True
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(c.slurm_conf)
-    try:
-        yield c
-    finally:
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
-        if started:
-            c.down()
-
-
-def job_env(**extra) -> dict:
-    from hpcadapt.slurm.testcluster.watch import job_environment
-
-    return job_environment(sys.executable, **extra)
-
-
 def job_output(folder: Path, job: str) -> str:
     return (folder / f"hpcadapt-train-{job}.out").read_text(encoding="utf-8")
 
@@ -188,27 +151,6 @@ def wait_for(predicate, what: str, job: str, folder: Path, timeout: float = 600)
     except WaitFailed as exc:
         pytest.fail(f"{exc}\n--- end of the job's output ---\n"
                     f"{output_so_far(folder, job)[-4000:]}", pytrace=False)
-
-
-@pytest.fixture
-def cancel_leftovers(cluster):
-    """Job ids a test appends here are cancelled at its end if they still run (a test that
-    fails must not leave a training of 100000 epochs behind), with their node requests."""
-    jobs: list = []
-    yield jobs
-    if not jobs:
-        return
-    try:
-        active = run_slurm(["squeue", "-h", "-o", "%i|%j"])  # pending and running jobs
-    except SlurmCommandError:
-        return
-    ids = []
-    for line in active.splitlines():
-        job_id, _, name = line.partition("|")
-        if any(job_id == j or name.endswith(f"-{j}") for j in jobs):  # hpcadapt-join-JOB, ...
-            ids.append(job_id)
-    if ids:
-        subprocess.run(["scancel"] + ids, capture_output=True, timeout=60)
 
 
 def samples_seen(folder: Path) -> collections.Counter:

@@ -9,7 +9,7 @@ import ast
 import collections
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Measured 2026-11-27: 41 attributes of the Job written from more than one file (most are
 # set in Job.__init__ and written again by one mixin; _in_flight, _step_open and _prev_grads

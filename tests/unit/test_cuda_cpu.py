@@ -1,7 +1,7 @@
 """The GPU data plane's device-generic parts, on the CPU: the device choice and its messages,
 the NCCL dtype table, the stream-handle bookkeeping (with a recording stand-in for CUDA
 streams), and the host-staged path with CPU tensors standing in for device tensors. The
-calls into CuPy/NCCL themselves run only where a GPU exists (tests/test_cuda_gpu.py)."""
+calls into CuPy/NCCL themselves run only where a GPU exists (tests/e2e/test_cuda_gpu.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hpcadapt.cuda.device import INSTALL_HINT, choose_device, gpu_problems
 from hpcadapt.cuda.nccl import comm_id, nccl_dtype, unique_id_array
 from hpcadapt.cuda.streams import StreamHandle
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def gpus(n):

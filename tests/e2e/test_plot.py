@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT, run_mpi
-from test_failure import Run, _kill_a_joined_worker
+from runs import Run, kill_a_joined_worker
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,7 @@ def story_rows(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("story")
     run = Run(tmp, 2, ["--max-workers", "3", "--policy", "resize-schedule",
                        "--resize-schedule-steps", "3:3", "--threads", "1"], name="story")
-    _kill_a_joined_worker(run, 3)
+    kill_a_joined_worker(run, 3)
     failure = run.wait_for("the recovery", lambda: [
         r for r in run.rows() if r.get("event") == "failure" and r.get("recovered")])[0]
     run.wait_for("a step after the recovery", lambda: [

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What each layer may import (besides itself). Applications (train, args, plot, ...) and
 # job.py may import anything of the package.

@@ -1,7 +1,7 @@
 """hpcadapt.plot on hand-written metrics lines, one case each: a resumed job's clock, an
 epoch logged twice, stop and resume lines (present or not), failures recovered or not, the
 header's counts, and ``--metric``. No MPI: the lines are what the job writes (see
-tests/test_plot.py for files written by real runs)."""
+tests/e2e/test_plot.py for files written by real runs)."""
 
 import json
 import subprocess

@@ -143,7 +143,8 @@ def test_a_registered_strategy_is_a_full_citizen_and_clashes_are_refused():
     from hpcadapt.base.strategies import Setting, from_options, register_strategy
     from hpcadapt.train import build_parser
 
-    path = os.path.join(os.path.dirname(__file__), "scripts", "sparse_sma_strategy.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts",
+                        "sparse_sma_strategy.py")
     spec = importlib.util.spec_from_file_location("sparse_sma_strategy", path)
     module = importlib.util.module_from_spec(spec)
     try:

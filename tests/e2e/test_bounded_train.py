@@ -12,8 +12,7 @@ import sys
 import pytest
 
 from conftest import FULL, ROOT, mpiexec, reap_on_teardown
-from test_failure import Run, every_sample_once
-from test_strategies_train import TRAIN, _train as train
+from runs import TRAIN, Run, every_sample_once, train
 
 pytestmark = pytest.mark.slow
 
