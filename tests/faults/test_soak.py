@@ -30,8 +30,8 @@ SEED = 3
 # Found by this soak (seed 3) and fixed: the death of joined rank 2 of 4 while it relayed a
 # boundary broadcast (the plan's Ibcast, a binomial tree 0 -> 1, 0 -> 2 -> 3) hung the job:
 # ranks 0 and 1 had finished the broadcast and met the death in the next step, rank 3 met it in
-# the broadcast, recovered inside the policies' hook and went on with the rest of the boundary on the new
-# world while ranks 0 and 1 redid the step. A recovery now ends the boundary at once; the
+# the broadcast, recovered inside the policies' hook and went on with the rest of the boundary
+# on the new world while ranks 0 and 1 redid the step. A recovery now ends the boundary at once; the
 # random-victim test below (kills right after a join too) covers it.
 
 
