@@ -84,6 +84,8 @@ class MembershipChanges:
         self.joining = False
 
     def setup_elastic(self) -> None:
+        """With --max-workers: the worker-count flags checked on every rank alike, then the
+        allocator and the elastic controller that grows and shrinks the job."""
         from hpcadapt.elastic.membership import ElasticController, joiner_argv
 
         o = self.options
@@ -195,6 +197,8 @@ class MembershipChanges:
         self.after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
 
     def poll(self) -> None:
+        """At a step boundary: keep the warm spares, and complete a pending grow whose
+        joiners are ready (the join, the state to them, the confirmation) or abandon it."""
         from hpcadapt.elastic.joins import JoinAborted
         from hpcadapt.elastic.membership import ABANDON, JOIN, ResizeOutcome
 
