@@ -289,10 +289,14 @@ class MembershipChanges:
         deadline ends the job as a failure does (state saved by rank 0, exit 75)."""
         old_watch = self.world.watch
         first_seen: Dict[str, float] = {}
+        # A death the join's own bounded waits handle (the pending accept, bounded by
+        # --peer-timeout / 3, the first word, the state transfer; under ULFM the runtime's
+        # report of the death) is theirs to handle for as long as the accept may wait: a
+        # fixed 5 s here lost that race on a busy machine (the job ended, exit 75, where
+        # its own recovery would have gone on).
+        grace = self.options.peer_timeout / 3
 
         def check() -> Optional[str]:
-            # A death the join's own bounded waits handle (the pending accept, the first
-            # word, the state transfer) is given a few seconds to be handled there.
             reasons = [f"a joining worker {w.failed().replace(' during start-up', '')}"
                        for w in workers if w.failed()]
             dead = old_watch.dead()
@@ -300,7 +304,7 @@ class MembershipChanges:
                 reasons.append(dead[1])
             now = time.perf_counter()
             for reason in reasons:
-                if now - first_seen.setdefault(reason, now) > 5.0:
+                if now - first_seen.setdefault(reason, now) > grace:
                     return reason
             return None
 
