@@ -188,15 +188,14 @@ class Job:
             self.membership.join()
         else:
             resumed = bool(o.checkpoint) and self.stops.resume(o.checkpoint)
-            if o.warm_spares and self.membership.elastic is None:
-                raise on_every_rank(ConfigurationError(
-                    "--warm-spares needs --max-workers (the allocator that starts them)"))
             start_size, reason = self.membership.start_size(resumed)
             if start_size > self.world.size:
                 self.membership.start_initial_workers(start_size, reason)
             if self.membership.elastic is not None:
                 self.membership.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
+                if self.device_choice.kind == "cuda":  # after every refusal: not before one
+                    log.info("device: %s", self.device_choice.reason)
                 log.info("training on %d %s, global batch %d, strategy %s, policies: %s",
                          self.world.size, "worker" if self.world.size == 1 else "workers",
                          self.state.hyper.batch_size,

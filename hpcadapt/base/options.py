@@ -102,6 +102,8 @@ def refuse_inconsistent(options) -> str:
         if options.min_workers > 1:
             return (f"--min-workers {options.min_workers} needs --max-workers (without it the "
                     f"world keeps its size)")
+        if getattr(options, "warm_spares", 0):
+            return "--warm-spares needs --max-workers (the allocator that starts them)"
         for policy in options.policies:
             if getattr(policy, "name", "") in RESIZING_POLICIES:
                 return (f"--policy {policy.name} resizes the job and needs --max-workers (the "

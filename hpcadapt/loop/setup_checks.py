@@ -36,8 +36,6 @@ def choose_device(options: JobOptions, world):
         raise ConfigurationError(error)  # this rank's alone: the job ends (exception hook)
     if choice.kind == "cuda":
         torch.cuda.set_device(choice.index)
-    if world.rank == 0 and choice.kind == "cuda":
-        log.info("device: %s", choice.reason)
     return choice
 
 

@@ -11,18 +11,26 @@ device, and kept current with the world.
 MPI always carries the bootstrap, the decisions and the resizes; the data plane only the
 gradients and the state broadcasts. It is rebuilt whenever the cluster version changes, the
 old NCCL communicator aborted first (a communicator with a dead or departed member must not
-block the process)."""
+block the process). For CUDA tensors the ranks agree on the plane at every rebuild: NCCL
+only when every rank can use it and no two ranks share a GPU, else host-staged. A grow can
+bring a joiner onto a GPU a rank already uses (NCCL refuses that: seen on a GPU, a grow from
+1 to 2 ended the job), or a rank whose NCCL is missing."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import hashlib
+import logging
+from typing import Any, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.comm.world import World
 
-__all__ = ["PLANES", "resolve_plane", "DataPlane"]
+__all__ = ["PLANES", "resolve_plane", "agreed_cuda_plane", "gpu_key", "DataPlane"]
+
+log = logging.getLogger("hpcadapt.dataplane")
 
 PLANES = ("auto", "mpi", "host-staged", "nccl")
 
@@ -50,6 +58,26 @@ def resolve_plane(device: torch.device, requested: str = "auto") -> str:
     return requested
 
 
+def agreed_cuda_plane(ranks: List[Tuple[int, bool]]) -> str:
+    """The plane every rank uses, from each rank's (GPU key, can use NCCL): NCCL only when
+    all can and no two keys are equal (NCCL allows one rank per GPU), else host-staged."""
+    keys = [key for key, _ in ranks]
+    if all(can for _, can in ranks) and len(set(keys)) == len(keys):
+        return "nccl"
+    return "host-staged"
+
+
+def gpu_key(index: int) -> int:
+    """This rank's physical GPU as a number: the node and the device's UUID (two ranks of
+    one node that see different CUDA_VISIBLE_DEVICES still tell the same GPU apart)."""
+    from hpcadapt.comm.world import node_key
+
+    props = torch.cuda.get_device_properties(index)
+    device_id = str(getattr(props, "uuid", "") or getattr(props, "pci_bus_id", "") or index)
+    digest = hashlib.blake2b(f"{node_key()}|{device_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
+
+
 class DataPlane:
     """The communicator of one device's tensors for the current world."""
 
@@ -57,6 +85,8 @@ class DataPlane:
         self.world = world
         self.device = device
         self.plane = resolve_plane(device, plane)
+        # What this rank could use; ``plane`` is what the ranks agreed for this world.
+        self.capable = self.plane
         self._comm: Any = None
         self._version: Optional[int] = None
         # The allreduce topology over MPI (hpcadapt.comm.topology) and the emulated nodes it
@@ -91,7 +121,26 @@ class DataPlane:
                                              ranks_per_node=self.ranks_per_node)
         return self._topology_comm
 
+    def _agree(self) -> str:
+        """CUDA tensors: the plane every rank of this world uses (a bounded allgather of
+        each rank's GPU key and whether it can use NCCL); said once when NCCL gives way."""
+        if self.device.type != "cuda" or self.world.size == 1:
+            return self.capable
+        from hpcadapt.comm.world import wait_request
+
+        mine = np.array([gpu_key(self.device.index or 0), int(self.capable == "nccl")],
+                        dtype=np.int64)
+        every = np.empty((self.world.size, 2), dtype=np.int64)
+        wait_request(self.world.comm.Iallgather(mine, every), self.world.watch,
+                     "the data plane's agreement")
+        plane = agreed_cuda_plane([(int(k), bool(c)) for k, c in every])
+        if plane != self.plane and self.world.rank == 0:
+            log.warning("gradients over %s from now on (%d workers%s)", plane, self.world.size,
+                        ": ranks share a GPU or lack NCCL" if plane != "nccl" else "")
+        return plane
+
     def _build(self) -> Any:
+        self.plane = self._agree()
         if self.plane == "mpi":
             return self._mpi()
         if self.plane == "host-staged":

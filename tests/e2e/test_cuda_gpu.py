@@ -81,6 +81,17 @@ def test_a_grow_and_a_shrink_rebuild_the_host_staged_plane_on_the_gpu(tmp_path):
     assert {r["world_size"] for r in rows if r["event"] == "step"} == {1, 2}
 
 
+def test_a_joiner_on_the_same_gpu_turns_nccl_into_host_staged_and_back(tmp_path):
+    """One rank on the GPU over NCCL grows to 2 on the same GPU (NCCL refuses two ranks on
+    one device: the ranks agree on host-staged), then shrinks back to 1 (NCCL again)."""
+    from conftest import grow_and_shrink
+
+    rows = grow_and_shrink(tmp_path, ["--device", "cuda"])
+    assert {r["world_size"] for r in rows if r["event"] == "step"} == {1, 2}
+    assert "gradients over host-staged from now on (2 workers" in \
+        (tmp_path / "grow.err").read_text()
+
+
 def test_a_user_script_in_mixed_precision_on_the_gpu(tmp_path):
     import json
 

@@ -39,8 +39,9 @@ def test_single_rank_without_launcher_and_cnn(tmp_path):
     from conftest import ROOT
 
     metrics = tmp_path / "m.jsonl"
+    # lr 0.05: at 0.1 the last epoch's accuracy swings between 0.83 and 0.89 (seen on a GPU)
     out = subprocess.run([sys.executable, "-m", "hpcadapt.train", "--model", "cnn",
-                          "--epochs", "4", "--lr", "0.1", "--no-progress", "--metrics-file", str(metrics)],
+                          "--epochs", "4", "--lr", "0.05", "--no-progress", "--metrics-file", str(metrics)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])

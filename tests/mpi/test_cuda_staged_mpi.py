@@ -78,3 +78,23 @@ def test_the_optimizer_over_the_host_staged_plane_trains_exactly_as_over_mpi(sta
     assert stats_mpi == stats_staged
     assert [s[2] for s in stats_mpi] == [[float(k * n), float(n)] for k in range(6)]
     assert all(s[0] > 0 and s[1] > 0 for s in stats_mpi)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("own GPUs", "nccl"),              # one GPU each, all can use NCCL
+    ("one GPU shared", "host-staged"),  # a joiner on a GPU a rank uses (NCCL refuses it)
+    ("one without NCCL", "host-staged"),
+])
+def test_the_ranks_agree_on_one_cuda_plane_for_the_world(staged, monkeypatch, case, expected):
+    """The agreement on real ranks (a bounded allgather); the GPU's identity is stood in
+    for (a real one needs a GPU): every rank ends with the same plane."""
+    from hpcadapt.comm.world import world
+    from hpcadapt.parallel import dataplane
+
+    rank = staged.rank
+    key = 7 if case == "one GPU shared" and rank < 2 else 100 + rank
+    monkeypatch.setattr(dataplane, "gpu_key", lambda index: key)
+    plane = dataplane.DataPlane(world(), torch.device("cuda:0"), "nccl")
+    if case == "one without NCCL" and rank == staged.size - 1:
+        plane.capable = "host-staged"
+    assert plane._agree() == expected

@@ -185,6 +185,15 @@ def test_the_plane_follows_the_parameters_device():
     assert resolve_plane(cuda) == ("host-staged" if gpu_problems() else "nccl")
 
 
+def test_nccl_is_agreed_only_when_every_rank_can_and_no_two_share_a_gpu():
+    from hpcadapt.parallel.dataplane import agreed_cuda_plane
+
+    assert agreed_cuda_plane([(1, True), (2, True)]) == "nccl"
+    assert agreed_cuda_plane([(1, True)]) == "nccl"
+    assert agreed_cuda_plane([(1, True), (1, True)]) == "host-staged"  # one GPU, two ranks
+    assert agreed_cuda_plane([(1, True), (2, False)]) == "host-staged"  # one without NCCL
+
+
 @pytest.mark.parametrize("device, plane, words", [
     ("cpu", "nccl", ["'nccl' carries CUDA tensors", "model to the GPU"]),
     ("cuda:1", "mpi", ["'mpi' carries CPU tensors", "cuda:1", "'nccl' or 'host-staged'"]),
