@@ -107,6 +107,8 @@ SPAWNED_VARIABLE = "HPCADAPT_SPAWNED"
 
 SPARE_OF_VARIABLE = "HPCADAPT_SPARE_OF"
 
+SPAWNED_BY_VARIABLE = "HPCADAPT_SPAWNED_BY"  # NODE:PID of the rank 0 that spawned a joiner
+
 
 def take_spare_mark() -> str:
     """``HPCADAPT_SPARE_OF``: ``NODE:PID`` of the rank 0 that spawned this worker as a warm

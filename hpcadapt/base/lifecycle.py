@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import traceback
+import zlib
 from typing import Callable, Optional, Tuple
 
 from hpcadapt.base import config
@@ -39,9 +41,40 @@ def pid_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def node_key() -> int:
+    """This node, as a number: the host name, the boot and the pid namespace (so pids of
+    two containers on one host are never compared)."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path, encoding="ascii") as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass
+    return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
+
+
 def is_first_rank() -> bool:
     """Whether this process speaks for its launch (rank 0, or no launcher)."""
     return config.launch_rank() in (None, 0)
+
+
+_planned_exit_code = 0
+
+
+def plan_exit(code: int) -> None:
+    """The exit code the job chose at its end (``Stops.finish``), for an end that must skip
+    the interpreter's own exit (``end_process`` at exit)."""
+    global _planned_exit_code
+    _planned_exit_code = code
+
+
+def planned_exit_code() -> int:
+    return _planned_exit_code
 
 
 def end_process(code: int) -> None:

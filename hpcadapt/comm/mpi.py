@@ -10,11 +10,17 @@ see is set just before, so no module depends on being imported after another for
   out; hpcadapt's own topologies do that work.
 
 Values the user set are kept. A process that imported mpi4py before hpcadapt started MPI
-without them."""
+without them.
+
+A joiner the job spawned (Open MPI) watches, while its MPI starts, the rank 0 that spawned
+it: when a parent dies during the spawn, the joiner's MPI_Init never returns (seen: the
+training ended, the launcher waited on that joiner for good); once rank 0 is gone the
+joiner ends with one line instead."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 ENVIRONMENT_DEFAULTS = {"UCX_TLS": "^cma", "OMPI_MCA_coll": "^han"}
 
@@ -24,7 +30,61 @@ def _set_environment_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
+# The watcher: a process of its own, since MPI_Init holds the interpreter's lock (a thread
+# would never run). It ends when its stdin closes (MPI started, or the joiner died), and
+# kills the joiner when the spawning rank 0's pid is gone first.
+_WATCHER = """
+import os, select, signal, sys
+joiner, spawner = int(sys.argv[1]), int(sys.argv[2])
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+while not select.select([sys.stdin], [], [], 0.2)[0]:
+    if not alive(spawner):
+        sys.stderr.write("hpcadapt: the job that spawned this worker ended while its MPI "
+                         "started; this worker exits\\n")
+        os.kill(joiner, signal.SIGKILL)
+        break
+"""
+
+
+def _watch_the_spawner():
+    """A spawned joiner (``HPCADAPT_SPAWNED_BY=NODE:PID``, on rank 0's node): the watcher
+    process while its MPI starts, or None."""
+    import subprocess
+
+    from hpcadapt.base.config import SPAWNED_BY_VARIABLE
+    from hpcadapt.base.lifecycle import node_key
+
+    try:
+        node, pid = (int(x) for x in os.environ.get(SPAWNED_BY_VARIABLE, "").split(":"))
+    except ValueError:
+        return None
+    if node != node_key():
+        return None  # another node's pid says nothing here
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHER, str(os.getpid()),
+                                 str(pid)], stdin=subprocess.PIPE)
+    except OSError:
+        return None
+
+
+def _stop_watching(watcher) -> None:
+    if watcher is not None:
+        watcher.stdin.close()
+        try:
+            watcher.wait(timeout=5.0)
+        except Exception:  # noqa: BLE001 - a watcher that lingers is killed, never waited on
+            watcher.kill()
+
+
 _set_environment_defaults()
+_watcher = _watch_the_spawner()
 from mpi4py import MPI  # noqa: E402  (starts MPI)
+_stop_watching(_watcher)
+os.environ.pop("HPCADAPT_SPAWNED_BY", None)  # read once: never by a process this one starts
 
 __all__ = ["MPI", "ENVIRONMENT_DEFAULTS"]

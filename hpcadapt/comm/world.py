@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import statistics
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -19,7 +17,7 @@ import numpy as np
 
 from hpcadapt.base import config
 from hpcadapt.base.errors import ConfigurationError
-from hpcadapt.base.lifecycle import pid_alive
+from hpcadapt.base.lifecycle import node_key, pid_alive  # noqa: F401  (node_key: re-exported)
 from hpcadapt.comm.mpi import MPI
 from hpcadapt.comm.mpiflavour import flavour
 
@@ -234,7 +232,15 @@ def _bound_finalize() -> None:
     ends the process FINALIZE_BOUND_S seconds later should MPI_Finalize not return (SIGALRM,
     exit 142), instead of a job that never ends."""
     import signal
+    import threading
 
+    from hpcadapt.base import lifecycle
+
+    if any(isinstance(x, threading.Thread) and x.is_alive() for x in ABANDONED):
+        # A spawn that never returned (its joiner died before its MPI started) is still
+        # inside MPI in a thread: MPI_Finalize crashed under it (SIGSEGV in opal_progress).
+        # The job's output and files are done by now; end with the code it chose.
+        lifecycle.end_process(lifecycle.planned_exit_code())
     try:
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         signal.setitimer(signal.ITIMER_REAL, FINALIZE_BOUND_S)
@@ -411,23 +417,6 @@ def agree_all_alive(comm: MPI.Intracomm) -> None:
     watchdog. Without ULFM: nothing (a death ends the job there)."""
     if ULFM:
         comm.Agree(1)
-
-
-def node_key() -> int:
-    """This node, as a number: the host name, the boot and the pid namespace (so pids of
-    two containers on one host are never compared)."""
-    parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id",):
-        try:
-            with open(path, encoding="ascii") as f:
-                parts.append(f.read().strip())
-        except OSError:
-            pass
-    try:
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    except OSError:
-        pass
-    return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
 
 
 class CommView:

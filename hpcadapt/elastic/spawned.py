@@ -17,7 +17,7 @@ import numpy as np
 from hpcadapt.comm import world as _rt
 from hpcadapt.comm.mpi import MPI
 
-from hpcadapt.base.config import SPARE_OF_VARIABLE, SPAWNED_VARIABLE
+from hpcadapt.base.config import SPARE_OF_VARIABLE, SPAWNED_BY_VARIABLE, SPAWNED_VARIABLE
 from hpcadapt.base.errors import MembershipError
 from hpcadapt.comm.world import ABANDONED
 from hpcadapt.elastic.joins import JoinAborted
@@ -55,7 +55,10 @@ class SpawnedGrow:
     def _spawn(self, argv: List[str]) -> None:
         info = MPI.Info.Create()
         try:
-            info.Set("PMIX_ENVAR", f"{SPAWNED_VARIABLE}=1")  # Open MPI's key for one variable
+            # Open MPI's key for the joiner's environment (one variable a line); the root's
+            # (rank 0's) info is the one used
+            info.Set("PMIX_ENVAR", f"{SPAWNED_VARIABLE}=1\n"
+                                   f"{SPAWNED_BY_VARIABLE}={_rt.node_key()}:{os.getpid()}")
             info.Set("wdir", os.getcwd())
             for _ in range(self.count):
                 inter = self.comm.Spawn(sys.executable, args=argv, maxprocs=1, info=info,
@@ -117,6 +120,7 @@ class SpawnedGrow:
         under way to return first (a process that exits during its spawn fails the launch)."""
         t_end = time.perf_counter() + wait_s
         self.thread.join(timeout=wait_s)
+        told = np.zeros(self.count, dtype=np.int64)
         if self.comm.Get_rank() == 0 and not self.thread.is_alive():
             # A joiner that reaches its first word after this process has gone blocks in
             # Open MPI's connection set-up (PMIx_Get) for good: wait (bounded) for each
@@ -126,8 +130,30 @@ class SpawnedGrow:
                 if ready or why:
                     break
                 time.sleep(0.01)
-            _tell_give_up(self.inters, t_end)
+            told[:len(self.inters)] = _tell_give_up(self.inters, t_end,
+                                                    disconnect=wait_s > 0)
+        if wait_s > 0 and not self.thread.is_alive():  # a spawn still in flight uses comm
+            self._disconnect(told, t_end)
         ABANDONED.extend([self.inters, self.comm, self.thread])
+
+    def _disconnect(self, told: np.ndarray, t_end: float) -> None:
+        """At the end of training, every parent: disconnect from each joiner that rank 0
+        told to go (it disconnects too), so that MPI_Finalize has no connection left to
+        close. Open MPI's finalize closes those itself, with a process that has gone: it
+        crashed or hung there (SIGSEGV in ompi_dpm_dyn_finalize, the end 60 s late after a
+        stop during a grow)."""
+        request = self.comm.Ibcast(told, root=0)
+        while not request.Test():
+            if time.perf_counter() > t_end + 5.0:
+                ABANDONED.extend([told, request])
+                return
+            time.sleep(0.001)
+        for i, inter in enumerate(self.inters):
+            if told[i]:
+                try:
+                    inter.Disconnect()
+                except MPI.Exception:
+                    pass  # that joiner died after it heard: the connection stays
 
 
 def _parents_all_alive(grow) -> None:
@@ -242,19 +268,24 @@ class SparePool:
         self.spares = []
 
 
-def _tell_give_up(inters: Sequence[MPI.Intercomm], t_end: float) -> None:
+def _tell_give_up(inters: Sequence[MPI.Intercomm], t_end: float, *,
+                  disconnect: bool = False) -> List[int]:
     """Rank 0: GIVE_UP to each joiner or spare behind ``inters`` (a completed send where it
-    completes by ``t_end``; a dead one is skipped)."""
+    completes by ``t_end``; a dead one is skipped); 1 for each that heard it. ``disconnect``:
+    the word asks it to disconnect from the parents before it exits (they do too)."""
+    told = []
     for inter in inters:
-        word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
+        word = np.array([GIVE_UP, int(disconnect), 0], dtype=np.int64)
         try:
             request = inter.Isend(word, dest=0, tag=_WORD_TAG)
             while not request.Test() and time.perf_counter() < t_end:
                 time.sleep(0.001)
+            told.append(int(request.Test()))
             ABANDONED.extend([word, request])
         except MPI.Exception:
-            pass  # that process is dead
+            told.append(0)  # that process is dead
     ABANDONED.extend(inters)
+    return told
 
 
 class SpareGrow:
@@ -338,6 +369,8 @@ def join_spawning_job(deadline_s: float, spare_of: str = "") -> MPI.Intracomm:
         raise MembershipError(f"the job that spawned this worker is gone "
                               f"({exc.Get_error_string()})") from None
     if word[0] != GO:
+        if word[1]:  # the parents disconnect from this worker: so does it (see give_up)
+            parent.Disconnect()
         raise MembershipError("the job gave the grow up")
     place, count = int(word[1]), int(word[2])
     try:

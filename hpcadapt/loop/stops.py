@@ -274,6 +274,7 @@ class Stops:
                      job.options.checkpoint)
         if job.world.rank == 0:
             agent.record_exit_code(self.exit_code)
+        lifecycle.plan_exit(self.exit_code)
         world_mod.shutdown()
         if exit and self.exit_code:
             sys.exit(self.exit_code)

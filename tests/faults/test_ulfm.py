@@ -11,13 +11,14 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 
 from conftest import FULL, ROOT, complete_rows, reap_on_teardown, repeats
-from procs import alive, launch_ranks
+from procs import alive, launch_ranks, python_ranks
 from runs import every_sample_once
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -613,6 +614,53 @@ def test_a_stop_signal_to_the_agent_saves_ends_75_and_keeps_the_output(tmp_path,
     assert f"stopped on {sig.name} at epoch" in err and "state saved" in err, err[-4000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["stopped"].startswith(sig.name), summary
+
+
+# (fault, seconds after the first joiner appears); CI runs the first three, FULL all
+SPAWN_FAULTS = [("joiner killed", 0.0), ("parent killed", 0.0), ("SIGUSR1", 0.5),
+                ("SIGUSR1", 0.0), ("SIGUSR1", 1.5), ("SIGTERM", 0.5), ("SIGINT", 0.5)]
+
+
+@pytest.mark.parametrize("fault, delay", SPAWN_FAULTS if FULL else SPAWN_FAULTS[:3],
+                         ids=[f"{f}-{d}" for f, d in (SPAWN_FAULTS if FULL else
+                                                      SPAWN_FAULTS[:3])])
+def test_a_fault_while_joiners_are_spawned_ends_with_the_trainings_code(tmp_path, fault, delay):
+    """Under the agent (the documented launch on Open MPI), 2 ranks growing to 4 by spawn;
+    the fault comes as the first joiner's process appears: the joiner killed before it
+    joined, or a parent rank killed (training goes on at its size and ends 0), or a stop
+    signal to the agent (the state saved, 75). The launcher ends with that code, nothing
+    left, no crash in MPI's exit (a spawn's connections were left open: Open MPI's finalize
+    crashed or hung 60 s on them; a joiner whose parent died in the spawn hung in MPI_Init
+    for good)."""
+    ckpt = tmp_path / "state.ckpt"
+    run = Launch(tmp_path, 2, ENTRY + ["--max-workers", "4", "--policy", "resize-schedule",
+                                       "--resize-schedule-steps", "30:4",
+                                       "--checkpoint", str(ckpt)], agent=True)
+
+    def ranks():
+        return set(python_ranks(str(run.metrics))) - {run.proc.pid}
+
+    first = run.wait_for(lambda: ranks() if len(ranks()) >= 2 else None, "the 2 ranks")
+    joiners = run.wait_for(lambda: sorted(ranks() - first), "a spawned joiner's process")
+    time.sleep(delay)  # the fault's moment, not a wait for an event
+    if fault == "joiner killed":
+        os.kill(joiners[0], signal.SIGKILL)
+    elif fault == "parent killed":
+        run.kill([1])
+    else:
+        run.proc.send_signal(getattr(signal, fault))
+    code = run.finish()
+    err = run.stderr()
+    stop = fault.startswith("SIG")
+    assert code == (75 if stop else 0), err[-4000:]
+    assert "Segmentation fault" not in err and "Traceback" not in err, err[-4000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    if stop:
+        assert ckpt.exists() and summary["stopped"].startswith(fault), summary
+    else:
+        assert summary["epochs"] == EPOCHS and not ckpt.exists(), summary
+        every_sample_once(run.samples)
+    assert not [p for p in python_ranks(str(run.metrics)) if alive(p)]
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3] if FULL else [0, 3])
