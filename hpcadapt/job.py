@@ -101,6 +101,7 @@ class Job:
         self.stops = Stops(self, StopSignals.named(o.stop_signals,
                                                    saves=bool(o.checkpoint)).install())
         self.world = world_mod.init()
+        self.membership.listen_early()  # a spawned joiner hears the job from now on
         self.stops.signals.announce = lambda: (self.world.rank == 0
                                                and not self.membership.joining)
         # A peer that dies during the user's own collective work: saved, exit 75.

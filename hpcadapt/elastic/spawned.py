@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -22,7 +23,8 @@ from hpcadapt.base.errors import MembershipError
 from hpcadapt.comm.world import ABANDONED
 from hpcadapt.elastic.joins import JoinAborted
 
-__all__ = ["SpawnedGrow", "SparePool", "SpareGrow", "join_spawning_job", "give_up_bounded"]
+__all__ = ["SpawnedGrow", "SparePool", "SpareGrow", "EarlyWord", "join_spawning_job",
+           "give_up_bounded"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ _READY_TAG = 7709   # a spawned joiner to rank 0: ready (its pid)
 _WORD_TAG = 7710    # rank 0 to a spawned joiner: [GO or GIVE_UP, its place, joiners]
 _CHAIN_TAG = 7711   # the intercommunicators that chain the joiners into one world
 _PORT_TAG = 7712    # rank 0 to a warm spare (Open MPI): the port to connect to
+_ALIVE_TAG = 7713   # a spawned joiner to rank 0 as soon as its MPI started: alive (its pid)
 GO, GIVE_UP = 1, 0
 
 
@@ -47,7 +50,9 @@ class SpawnedGrow:
         self.inters: List[MPI.Intercomm] = []
         self.error = ""
         self._pids = np.zeros(count, dtype=np.int64)
+        self._alive_pids = np.zeros(count, dtype=np.int64)
         self._ready: Optional[list] = None
+        self._alive: Optional[list] = None
         self.thread = threading.Thread(target=self._spawn, args=(list(argv),),
                                        name="hpcadapt-spawn", daemon=True)
         self.thread.start()
@@ -79,11 +84,25 @@ class SpawnedGrow:
         if self._ready is None:
             self._ready = [inter.Irecv(self._pids[i:i + 1], source=0, tag=_READY_TAG)
                            for i, inter in enumerate(self.inters)]
+        alive, why = self.alive()
+        if why:
+            return False, why
         try:
             done = [req.Test() for req in self._ready]
         except MPI.Exception as exc:
             return False, f"a spawned joiner died before it was ready ({exc.Get_error_string()})"
-        return all(done), ""
+        return alive and all(done), ""
+
+    def alive(self) -> Tuple[bool, str]:
+        """Rank 0, once the spawns returned: (every joiner said it is alive: its MPI started
+        and it hears the job's word, why not: "" while it may yet)."""
+        if self._alive is None:
+            self._alive = [inter.Irecv(self._alive_pids[i:i + 1], source=0, tag=_ALIVE_TAG)
+                           for i, inter in enumerate(self.inters)]
+        try:
+            return all([req.Test() for req in self._alive]), ""
+        except MPI.Exception as exc:
+            return False, f"a spawned joiner died as it started ({exc.Get_error_string()})"
 
     def merge(self) -> MPI.Intracomm:
         """Every rank of the running job: tell the joiners to go and merge with them, one
@@ -124,17 +143,20 @@ class SpawnedGrow:
         if self.comm.Get_rank() == 0 and not self.thread.is_alive():
             # A joiner that reaches its first word after this process has gone blocks in
             # Open MPI's connection set-up (PMIx_Get) for good: wait (bounded) for each
-            # joiner's ready word, then tell it, completing the send.
+            # joiner to say it is alive (it listens from then on: EarlyWord), then tell it,
+            # completing the send.
             while wait_s and time.perf_counter() < t_end:
-                ready, why = self.ready()
-                if ready or why:
+                alive, why = self.alive()
+                if alive or why:
                     break
                 time.sleep(0.01)
             told[:len(self.inters)] = _tell_give_up(self.inters, t_end,
                                                     disconnect=wait_s > 0)
         if wait_s > 0 and not self.thread.is_alive():  # a spawn still in flight uses comm
             self._disconnect(told, t_end)
-        ABANDONED.extend([self.inters, self.comm, self.thread])
+        # (with the receives still posted: MPI may yet write into their buffers)
+        ABANDONED.extend([self.inters, self.comm, self.thread, self._alive, self._ready,
+                          self._alive_pids, self._pids])
 
     def _disconnect(self, told: np.ndarray, t_end: float) -> None:
         """At the end of training, every parent: disconnect from each joiner that rank 0
@@ -342,32 +364,97 @@ def _spare_parent_gone(spare_of: str) -> bool:
     return node == _rt.node_key() and not _rt.pid_alive(pid)
 
 
-def join_spawning_job(deadline_s: float, spare_of: str = "") -> MPI.Intracomm:
-    """In a worker the job spawned (Open MPI): say it is ready to rank 0, wait for its word
-    (bounded by ``deadline_s``; the job's death is an MPI error under ULFM), merge with the
-    job and then take part in merging the joiners after it; returns the job's new
-    communicator. The state comes next, from rank 0."""
-    parent = MPI.Comm.Get_parent()
-    if parent == MPI.COMM_NULL:
-        raise MembershipError(f"{SPAWNED_VARIABLE} is set but this process was not started "
-                              f"by MPI_Comm_spawn")
-    parent.Set_errhandler(MPI.ERRORS_RETURN)
+class EarlyWord:
+    """A joiner the job spawned (not a warm spare), as soon as its MPI started: tells rank 0
+    it is alive and hears the job's word from then on, in a thread. A job that gives the
+    grow up at its end (a stop) then lets it go at once instead of waiting out its start-up
+    (the data and the model: 6-8 s on a busy 2-core node): on that word it disconnects (the
+    parents do too) and ends. Any other word waits for ``join_spawning_job``."""
+
+    def __init__(self) -> None:
+        self.parent = MPI.Comm.Get_parent()
+        if self.parent == MPI.COMM_NULL:
+            raise MembershipError(f"{SPAWNED_VARIABLE} is set but this process was not "
+                                  f"started by MPI_Comm_spawn")
+        self.parent.Set_errhandler(MPI.ERRORS_RETURN)
+        self.word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
+        self.error = ""
+        self.heard = threading.Event()
+        self._pid = np.array([os.getpid()], dtype=np.int64)
+        # How the listener ends this process: a signal to the main thread, whose handler
+        # exits through the interpreter (MPI_Finalize included: Open MPI's launcher calls an
+        # exit without it abnormal and prints a banner for it)
+        signal.signal(_LEAVE_SIGNAL, _leave)
+        self._sent = self.parent.Isend(self._pid, dest=0, tag=_ALIVE_TAG)
+        self._request = self.parent.Irecv(self.word, source=0, tag=_WORD_TAG)
+        threading.Thread(target=self._listen, name="hpcadapt-word", daemon=True).start()
+
+    def _listen(self) -> None:
+        try:
+            while not self._request.Test():
+                time.sleep(0.01)
+            self._sent.Wait()
+        except MPI.Exception as exc:
+            self.error = f"the job that spawned this worker is gone ({exc.Get_error_string()})"
+            self.heard.set()
+            return
+        if self.word[0] != GO and self.word[1]:
+            self.parent.Disconnect()
+            log.info("not joining (the job gave the grow up): this worker exits")
+            signal.pthread_kill(threading.main_thread().ident, _LEAVE_SIGNAL)
+            return
+        self.heard.set()
+
+
+_LEAVE_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+
+
+def _leave(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def _hear_word(parent, deadline_s: float, spare_of: str, early: Optional[EarlyWord]):
+    """Say ready to rank 0 and wait for its word (bounded by ``deadline_s``)."""
     pid = np.array([os.getpid()], dtype=np.int64)
-    word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
+    t_end = time.perf_counter() + deadline_s
     try:
         sent = parent.Isend(pid, dest=0, tag=_READY_TAG)
-        heard = parent.Irecv(word, source=0, tag=_WORD_TAG)
-        t_end = time.perf_counter() + deadline_s
-        while not heard.Test():
-            if time.perf_counter() > t_end:
-                raise MembershipError(f"no word from the job within {deadline_s:.0f} s")
-            if spare_of and _spare_parent_gone(spare_of):
-                raise MembershipError("the rank that started this warm spare is gone")
-            time.sleep(0.05 if spare_of else 0.005)
+        if early is not None:
+            while not early.heard.wait(0.005):
+                if time.perf_counter() > t_end:
+                    raise MembershipError(f"no word from the job within {deadline_s:.0f} s")
+            if early.error:
+                raise MembershipError(early.error)
+            word = early.word
+        else:
+            word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
+            heard = parent.Irecv(word, source=0, tag=_WORD_TAG)
+            while not heard.Test():
+                if time.perf_counter() > t_end:
+                    raise MembershipError(f"no word from the job within {deadline_s:.0f} s")
+                if spare_of and _spare_parent_gone(spare_of):
+                    raise MembershipError("the rank that started this warm spare is gone")
+                time.sleep(0.05 if spare_of else 0.005)
         sent.Wait()
     except MPI.Exception as exc:
         raise MembershipError(f"the job that spawned this worker is gone "
                               f"({exc.Get_error_string()})") from None
+    return word
+
+
+def join_spawning_job(deadline_s: float, spare_of: str = "",
+                      early: Optional[EarlyWord] = None) -> MPI.Intracomm:
+    """In a worker the job spawned (Open MPI): say it is ready to rank 0, wait for its word
+    (bounded by ``deadline_s``; the job's death is an MPI error under ULFM), merge with the
+    job and then take part in merging the joiners after it; returns the job's new
+    communicator. The state comes next, from rank 0. ``early``: the joiner's listener,
+    started as its MPI started (not for a warm spare)."""
+    parent = early.parent if early is not None else MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise MembershipError(f"{SPAWNED_VARIABLE} is set but this process was not started "
+                              f"by MPI_Comm_spawn")
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    word = _hear_word(parent, deadline_s, spare_of, early)
     if word[0] != GO:
         if word[1]:  # the parents disconnect from this worker: so does it (see give_up)
             parent.Disconnect()

@@ -59,6 +59,7 @@ class MembershipChanges:
         self.resizes: List[Dict[str, Any]] = []
         self.identical_after_resize: Optional[bool] = None
         self._joined_version = -1
+        self._early_word = None  # a spawned joiner's listener (listen_early)
 
     # the job's parts this one reads most (the same objects through every resize)
     @property
@@ -72,6 +73,14 @@ class MembershipChanges:
     @property
     def options(self) -> JobOptions:
         return self.job.options
+
+    def listen_early(self) -> None:
+        """A joiner the job spawned (not a warm spare), once its MPI started: it hears the
+        job's word from now on (``EarlyWord``: a grow given up lets it go at once)."""
+        if self.spawned_to_join and not self.spare_of:
+            from hpcadapt.elastic.spawned import EarlyWord
+
+            self._early_word = EarlyWord()
 
     def took_state(self) -> None:
         """A recovery handed this process the agreed state (a joiner that took rank 0's role
@@ -390,7 +399,7 @@ class MembershipChanges:
             # ends this process when Open MPI's connection set-up blocks (the job is gone).
             with world_mod.Watchdog(wait_s + 10.0, "waiting for the job's word",
                                     _give_up_join):
-                merged = join_spawning_job(wait_s, self.spare_of)
+                merged = join_spawning_job(wait_s, self.spare_of, self._early_word)
         except MembershipError as exc:
             # The job gave the grow up, or ended: nothing failed here. This process's exit
             # is part of the launch's (mpirun's), whose code is the training's: exit 0
