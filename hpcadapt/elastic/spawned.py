@@ -134,9 +134,12 @@ class SpawnedGrow:
         return current
 
     def give_up(self, wait_s: float = 0.0) -> None:
-        """Every rank: the joiners are told to exit (rank 0); the spawn's communicators are
-        left unfreed (a dead joiner would make freeing wait). ``wait_s``: for a spawn still
-        under way to return first (a process that exits during its spawn fails the launch)."""
+        """Every rank: the joiners are told to exit (rank 0). ``wait_s`` (the end of
+        training): for a spawn still under way to return first (a process that exits during
+        its spawn fails the launch), and then parents and the joiners that said they are
+        alive disconnect from each other (``_disconnect``); without it (a recovery, which
+        cannot wait) the spawn's communicators are left unfreed (a dead joiner would make
+        freeing wait)."""
         t_end = time.perf_counter() + wait_s
         self.thread.join(timeout=wait_s)
         told = np.zeros(self.count, dtype=np.int64)
@@ -150,26 +153,43 @@ class SpawnedGrow:
                 if alive or why:
                     break
                 time.sleep(0.01)
-            told[:len(self.inters)] = _tell_give_up(self.inters, t_end,
-                                                    disconnect=wait_s > 0)
+            # Only a joiner that said it is alive listens (EarlyWord) and disconnects too: the
+            # parents' disconnect from any other would wait for it.
+            told[:len(self.inters)] = _tell_give_up(
+                self.inters, t_end, disconnect=self._alive_flags() if wait_s > 0 else None)
         if wait_s > 0 and not self.thread.is_alive():  # a spawn still in flight uses comm
             self._disconnect(told, t_end)
         # (with the receives still posted: MPI may yet write into their buffers)
         ABANDONED.extend([self.inters, self.comm, self.thread, self._alive, self._ready,
                           self._alive_pids, self._pids])
 
+    def _alive_flags(self) -> List[bool]:
+        """Rank 0: for each joiner, whether it said it is alive."""
+        flags = []
+        for req in self._alive or []:
+            try:
+                flags.append(bool(req.Test()))
+            except MPI.Exception:
+                flags.append(False)
+        return flags + [False] * (len(self.inters) - len(flags))
+
     def _disconnect(self, told: np.ndarray, t_end: float) -> None:
         """At the end of training, every parent: disconnect from each joiner that rank 0
         told to go (it disconnects too), so that MPI_Finalize has no connection left to
         close. Open MPI's finalize closes those itself, with a process that has gone: it
         crashed or hung there (SIGSEGV in ompi_dpm_dyn_finalize, the end 60 s late after a
-        stop during a grow)."""
-        request = self.comm.Ibcast(told, root=0)
-        while not request.Test():
-            if time.perf_counter() > t_end + 5.0:
-                ABANDONED.extend([told, request])
-                return
-            time.sleep(0.001)
+        stop during a grow). A parent that died meanwhile: no disconnect (the exit's bounds
+        hold)."""
+        try:
+            request = self.comm.Ibcast(told, root=0)
+            while not request.Test():
+                if time.perf_counter() > t_end + 5.0:
+                    ABANDONED.extend([told, request])
+                    return
+                time.sleep(0.001)
+        except MPI.Exception:
+            ABANDONED.append(told)
+            return
         for i, inter in enumerate(self.inters):
             if told[i]:
                 try:
@@ -291,18 +311,20 @@ class SparePool:
 
 
 def _tell_give_up(inters: Sequence[MPI.Intercomm], t_end: float, *,
-                  disconnect: bool = False) -> List[int]:
+                  disconnect: Optional[Sequence[bool]] = None) -> List[int]:
     """Rank 0: GIVE_UP to each joiner or spare behind ``inters`` (a completed send where it
-    completes by ``t_end``; a dead one is skipped); 1 for each that heard it. ``disconnect``:
-    the word asks it to disconnect from the parents before it exits (they do too)."""
+    completes by ``t_end``; a dead one is skipped). ``disconnect``: per joiner, whether the
+    word asks it to disconnect from the parents before it exits (they do too). Returns, per
+    joiner, 1 where it was asked to disconnect and the send completed."""
     told = []
-    for inter in inters:
-        word = np.array([GIVE_UP, int(disconnect), 0], dtype=np.int64)
+    for i, inter in enumerate(inters):
+        asked = bool(disconnect[i]) if disconnect is not None else False
+        word = np.array([GIVE_UP, int(asked), 0], dtype=np.int64)
         try:
             request = inter.Isend(word, dest=0, tag=_WORD_TAG)
             while not request.Test() and time.perf_counter() < t_end:
                 time.sleep(0.001)
-            told.append(int(request.Test()))
+            told.append(int(request.Test() and asked))
             ABANDONED.extend([word, request])
         except MPI.Exception:
             told.append(0)  # that process is dead
@@ -383,8 +405,13 @@ class EarlyWord:
         self._pid = np.array([os.getpid()], dtype=np.int64)
         # How the listener ends this process: a signal to the main thread, whose handler
         # exits through the interpreter (MPI_Finalize included: Open MPI's launcher calls an
-        # exit without it abnormal and prints a banner for it)
-        signal.signal(_LEAVE_SIGNAL, _leave)
+        # exit without it abnormal and prints a banner for it). Built outside the main
+        # thread, there is no handler: the word then waits for join_spawning_job.
+        try:
+            signal.signal(_LEAVE_SIGNAL, _leave)
+            self._can_leave = True
+        except ValueError:
+            self._can_leave = False
         self._sent = self.parent.Isend(self._pid, dest=0, tag=_ALIVE_TAG)
         self._request = self.parent.Irecv(self.word, source=0, tag=_WORD_TAG)
         threading.Thread(target=self._listen, name="hpcadapt-word", daemon=True).start()
@@ -398,8 +425,11 @@ class EarlyWord:
             self.error = f"the job that spawned this worker is gone ({exc.Get_error_string()})"
             self.heard.set()
             return
-        if self.word[0] != GO and self.word[1]:
-            self.parent.Disconnect()
+        if self.word[0] != GO and self.word[1] and self._can_leave:
+            try:
+                self.parent.Disconnect()
+            except MPI.Exception:
+                pass  # the parents are gone: leave all the same
             log.info("not joining (the job gave the grow up): this worker exits")
             signal.pthread_kill(threading.main_thread().ident, _LEAVE_SIGNAL)
             return

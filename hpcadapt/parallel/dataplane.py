@@ -123,7 +123,7 @@ class DataPlane:
 
     def _agree(self) -> str:
         """CUDA tensors: the plane every rank of this world uses (a bounded allgather of
-        each rank's GPU key and whether it can use NCCL); said once when NCCL gives way."""
+        each rank's GPU key and whether it can use NCCL); rank 0 says so when it changes."""
         if self.device.type != "cuda" or self.world.size == 1:
             return self.capable
         from hpcadapt.comm.world import wait_request
