@@ -386,6 +386,17 @@ def _spare_parent_gone(spare_of: str) -> bool:
     return node == _rt.node_key() and not _rt.pid_alive(pid)
 
 
+def _spawning_parent() -> MPI.Intercomm:
+    """This worker's intercommunicator to the job that spawned it (errors returned, not
+    fatal); MembershipError when no job spawned it."""
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise MembershipError(f"{SPAWNED_VARIABLE} is set but this process was not started "
+                              f"by MPI_Comm_spawn")
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    return parent
+
+
 class EarlyWord:
     """A joiner the job spawned (not a warm spare), as soon as its MPI started: tells rank 0
     it is alive and hears the job's word from then on, in a thread. A job that gives the
@@ -394,11 +405,7 @@ class EarlyWord:
     parents do too) and ends. Any other word waits for ``join_spawning_job``."""
 
     def __init__(self) -> None:
-        self.parent = MPI.Comm.Get_parent()
-        if self.parent == MPI.COMM_NULL:
-            raise MembershipError(f"{SPAWNED_VARIABLE} is set but this process was not "
-                                  f"started by MPI_Comm_spawn")
-        self.parent.Set_errhandler(MPI.ERRORS_RETURN)
+        self.parent = _spawning_parent()
         self.word = np.array([GIVE_UP, 0, 0], dtype=np.int64)
         self.error = ""
         self.heard = threading.Event()
@@ -479,11 +486,7 @@ def join_spawning_job(deadline_s: float, spare_of: str = "",
     job and then take part in merging the joiners after it; returns the job's new
     communicator. The state comes next, from rank 0. ``early``: the joiner's listener,
     started as its MPI started (not for a warm spare)."""
-    parent = early.parent if early is not None else MPI.Comm.Get_parent()
-    if parent == MPI.COMM_NULL:
-        raise MembershipError(f"{SPAWNED_VARIABLE} is set but this process was not started "
-                              f"by MPI_Comm_spawn")
-    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    parent = early.parent if early is not None else _spawning_parent()
     word = _hear_word(parent, deadline_s, spare_of, early)
     if word[0] != GO:
         if word[1]:  # the parents disconnect from this worker: so does it (see give_up)
