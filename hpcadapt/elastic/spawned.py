@@ -53,6 +53,7 @@ class SpawnedGrow:
         self._alive_pids = np.zeros(count, dtype=np.int64)
         self._ready: Optional[list] = None
         self._alive: Optional[list] = None
+        self._giving_up = threading.Event()
         self.thread = threading.Thread(target=self._spawn, args=(list(argv),),
                                        name="hpcadapt-spawn", daemon=True)
         self.thread.start()
@@ -65,7 +66,10 @@ class SpawnedGrow:
             info.Set("PMIX_ENVAR", f"{SPAWNED_VARIABLE}=1\n"
                                    f"{SPAWNED_BY_VARIABLE}={_rt.node_key()}:{os.getpid()}")
             info.Set("wdir", os.getcwd())
-            for _ in range(self.count):
+            for i in range(self.count):
+                if i and not self._go_on():
+                    self.error = "the grow was given up"
+                    return
                 inter = self.comm.Spawn(sys.executable, args=argv, maxprocs=1, info=info,
                                         root=0)
                 inter.Set_errhandler(MPI.ERRORS_RETURN)
@@ -74,6 +78,14 @@ class SpawnedGrow:
             self.error = f"MPI_Comm_spawn failed: {exc.Get_error_string()}"
         finally:
             info.Free()
+
+    def _go_on(self) -> bool:
+        """Every parent, between two spawns: rank 0's word on whether to start the next one
+        (not once the grow is given up: a stop during a grow then waits for the one joiner
+        being started, about 3 s, not for each of them in turn)."""
+        word = np.array([0 if self._giving_up.is_set() else 1], dtype=np.int64)
+        self.comm.Bcast(word, root=0)
+        return bool(word[0])
 
     def ready(self) -> Tuple[bool, str]:
         """Rank 0: (all joiners ready, why the grow cannot go on: "" while it can)."""
@@ -141,6 +153,7 @@ class SpawnedGrow:
         cannot wait) the spawn's communicators are left unfreed (a dead joiner would make
         freeing wait)."""
         t_end = time.perf_counter() + wait_s
+        self._giving_up.set()  # no further spawn (rank 0's flag is the one that counts)
         self.thread.join(timeout=wait_s)
         told = np.zeros(self.count, dtype=np.int64)
         if self.comm.Get_rank() == 0 and not self.thread.is_alive():

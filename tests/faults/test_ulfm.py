@@ -643,6 +643,7 @@ def test_a_fault_while_joiners_are_spawned_ends_with_the_trainings_code(tmp_path
     first = run.wait_for(lambda: ranks() if len(ranks()) >= 2 else None, "the 2 ranks")
     joiners = run.wait_for(lambda: sorted(ranks() - first), "a spawned joiner's process")
     time.sleep(delay)  # the fault's moment, not a wait for an event
+    t_fault = time.monotonic()
     if fault == "joiner killed":
         os.kill(joiners[0], signal.SIGKILL)
     elif fault == "parent killed":
@@ -650,6 +651,9 @@ def test_a_fault_while_joiners_are_spawned_ends_with_the_trainings_code(tmp_path
     else:
         run.proc.send_signal(getattr(signal, fault))
     code = run.finish()
+    # a measurement for the record (pytest -s), never asserted: a busy machine is slower
+    print(f"\n{fault} at {delay} s: exit {code}, {time.monotonic() - t_fault:.1f} s after it, "
+          f"{time.time() - run.metrics.stat().st_mtime:.1f} s after the last metrics line")
     err = run.stderr()
     stop = fault.startswith("SIG")
     assert code == (75 if stop else 0), err[-4000:]
