@@ -62,7 +62,8 @@ class Job:
     """One data-parallel, adaptive training job on the ranks of this MPI launch.
 
     ``args``: the namespace parsed from a parser that ``hpcadapt.add_arguments`` extended;
-    or keyword options of ``JobOptions`` (``policies=[GNSBatchSize(...)]``, ...). Creating
+    or flat keyword options (``policies=[GNSBatchSize(...)]``, ``checkpoint=...``: the names
+    ``JobOptions.of`` takes, kept in a group per collaborator). Creating
     the job joins the MPI world, sets up rank-prefixed logging, the stop-signal handlers
     and the abort-on-exception hook. A worker started to join a running
     job (``HPCADAPT_JOIN_DIR`` set) joins it in ``setup``."""
@@ -86,20 +87,21 @@ class Job:
                                             spawned_to_join=config.take_spawned_mark(),
                                             spare_of=config.take_spare_mark())
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
-        strategies.from_options(o)  # a strategy's unusable settings are refused here
+        strategies.from_options(o.steps)  # a strategy's unusable settings are refused here
         from hpcadapt.comm.topology import parse_ranks_per_node, parse_topology
 
-        parse_topology(o.topology)
-        parse_ranks_per_node(o.ranks_per_node)
-        for flag, factor in (("--slow-compute", o.slow_compute), ("--slow-comm", o.slow_comm)):
+        parse_topology(o.comm.topology)
+        parse_ranks_per_node(o.comm.ranks_per_node)
+        for flag, factor in (("--slow-compute", o.steps.slow_compute),
+                             ("--slow-comm", o.steps.slow_comm)):
             if not (math.isfinite(factor) and factor >= 1.0):
                 raise ConfigurationError(f"{flag} {factor!r}: give a factor of 1 or more "
                                          f"(2 makes the rank take twice as long)")
         # Why it stopped, checkpoints, the resume, the exit code; the stop signals' handlers.
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
-        self.stops = Stops(self, StopSignals.named(o.stop_signals,
-                                                   saves=bool(o.checkpoint)).install())
+        self.stops = Stops(self, StopSignals.named(o.stops.stop_signals,
+                                                   saves=bool(o.stops.checkpoint)).install())
         self.world = world_mod.init()
         self.membership.listen_early()  # a spawned joiner hears the job from now on
         self.stops.signals.announce = lambda: (self.world.rank == 0
@@ -109,21 +111,22 @@ class Job:
             lambda exc: self.stops.fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
         setup_logging(lambda: self.world.rank if self.membership.holds_state
                       else f"joiner {os.getpid()}")
-        most = max(self.world.size, o.max_workers or 0, o.initial_workers or 0)
-        if o.slow_rank is not None and o.slow_rank >= most and self.world.rank == 0:
+        most = max(self.world.size, o.membership.max_workers or 0,
+                   o.membership.initial_workers or 0)
+        if o.steps.slow_rank is not None and o.steps.slow_rank >= most and self.world.rank == 0:
             log.warning("--slow-rank %d: the job has at most %d worker(s), so no rank is "
-                        "slowed", o.slow_rank, most)
+                        "slowed", o.steps.slow_rank, most)
         # Every wait on a peer is bounded (runtime.PeerWatch); a stop signal is seen there.
-        self.world.watch.floor = o.peer_timeout
+        self.world.watch.floor = o.failures.peer_timeout
         self.world.watch.stop_signals = self.stops.signals
         self.device_choice = setup_checks.choose_device(o, self.world)
         # the policies' plans; the hyper-parameters' writer (unusable policies refused here)
         self.adaptation = Adaptation(self)
-        if o.max_workers is not None:
+        if o.membership.max_workers is not None:
             self.membership.setup_elastic()
         if not self.membership.joining:
             setup_checks.check_output_folders(o, self.world)
-        self.recorder = Recorder(o.metrics_file if not self.membership.joining else None,
+        self.recorder = Recorder(None if self.membership.joining else o.recording.metrics_file,
                                  enabled=self.world.rank == 0)
         if self.world.rank == 0 and not self.membership.joining:
             agent.record_coordinator()  # for the agent's signals, when there is one
@@ -132,8 +135,8 @@ class Job:
         self.steps = StepRunner(self)  # the step in flight and what it leaves behind
         self.recovery = FailureRecovery(self)  # a peer's death, recovered from in place
         self.monitoring = Monitoring(self)  # noise scale, timings, snapshot, metrics lines
-        if o.sample_log:
-            self.recorder.open_sample_log(o.sample_log)
+        if o.recording.sample_log:
+            self.recorder.open_sample_log(o.recording.sample_log)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               loader: ElasticDataLoader, *, extra: Optional[Mapping[str, Any]] = None,
@@ -155,8 +158,8 @@ class Job:
                 f"the global batch size {loader.batch_size} is below the {self.world.size} "
                 f"workers: each needs at least one sample per step; use a batch size of at "
                 f"least {self.world.size}")
-        strategy = strategies.from_options(o)
-        if strategy.min_workers > max(self.world.size, o.initial_workers or 0) \
+        strategy = strategies.from_options(o.steps)
+        if strategy.min_workers > max(self.world.size, o.membership.initial_workers or 0) \
                 and not self.membership.joining:
             what = ("a peer to average with" if strategy.pairs_models
                     else "an aggregator (rank 0) and a worker")
@@ -170,25 +173,27 @@ class Job:
         self.model, self.loader = model, loader
         plane = setup_checks.data_plane(model, o, self.device, self.device_choice)
         self.optimizer = DistributedOptimizer(
-            optimizer, model.named_parameters(), world=self.world, bucket_bytes=o.bucket_bytes,
+            optimizer, model.named_parameters(), world=self.world,
+            bucket_bytes=o.comm.bucket_bytes,
             extra_slots=self.steps.control_layout().length, data_plane=plane,
-            buffers=model.buffers() if o.broadcast_buffers else ())
+            buffers=model.buffers() if o.comm.broadcast_buffers else ())
         group = optimizer.param_groups[0]
         hyper = HyperParams(batch_size=loader.batch_size, lr=reference_lr(group),
                             momentum=float(momentum_of(group)), base_lr=reference_lr(group),
                             base_batch_size=loader.batch_size)
         self.monitoring.configure()
         self.state = TrainingState(model, optimizer, loader.sampler, hyper,
-                                   GradientNoiseScale(o.monitor_ema, o.monitor_window),
+                                   GradientNoiseScale(o.monitoring.monitor_ema,
+                                                      o.monitoring.monitor_window),
                                    self.extra, self.adaptation.engine)
         self.state.strategy = strategy
-        self.state.topology = o.topology
+        self.state.topology = o.comm.topology
         loader.bind(self._batches, lambda: self.state.hyper.batch_size)
         loader.sampler.job_driven = True
         if self.membership.joining:
             self.membership.join()
         else:
-            resumed = bool(o.checkpoint) and self.stops.resume(o.checkpoint)
+            resumed = bool(o.stops.checkpoint) and self.stops.resume(o.stops.checkpoint)
             start_size, reason = self.membership.start_size(resumed)
             if start_size > self.world.size:
                 self.membership.start_initial_workers(start_size, reason)
@@ -202,7 +207,7 @@ class Job:
                          self.state.hyper.batch_size,
                          self.state.strategy.describe(),
                          ", ".join(p.name for p in self.adaptation.engine.policies) or "none")
-                log.info("%s", flavour().startup_line(o.on_failure == "recover"))
+                log.info("%s", flavour().startup_line(o.failures.on_failure == "recover"))
         return self
 
     @property
@@ -250,7 +255,7 @@ class Job:
         """The micro-batches this rank's share is cut into (``--max-local-batch``): the
         batches the loader yields, and ``job.step`` calls, per step."""
         return max(1, len(split_micro(np.arange(self.local_batch_size),
-                                      self.options.max_local_batch)))
+                                      self.options.steps.max_local_batch)))
 
     @property
     def samples_seen(self) -> int:
@@ -471,7 +476,7 @@ class Job:
         self.membership.after_resize(ResizeOutcome(done.old_size, done.new_size,
                                                    f"failure of rank(s) {dead}", 0.0, True),
                                      done.started)
-        if self.options.replace_failed and self.membership.elastic is not None:
+        if self.options.failures.replace_failed and self.membership.elastic is not None:
             self.membership.request_resize(self.world.size + len(dead),
                                            f"replacing failed rank(s) {dead}")
 
@@ -499,7 +504,7 @@ class Job:
         if self.steps.stop_requested:
             self.stops.stop_for_signal()
             return False
-        if self.steps.nonfinite_run >= self.options.max_nonfinite_steps:
+        if self.steps.nonfinite_run >= self.options.steps.max_nonfinite_steps:
             self.stops.stop_for_divergence()
             return False
         if self.steps.finish_requested:
@@ -507,11 +512,11 @@ class Job:
             return False
         if self._max_steps_reached():
             return False
-        every = self.options.checkpoint_every
+        every = self.options.stops.checkpoint_every
         # the steps this boundary closes: one, or a bounded-delay round's
         closed = max(1, -(-count // st.hyper.batch_size))
         # (not while the loss is non-finite: the last good save is not written over)
-        if every and self.options.checkpoint and self.world.rank == 0 \
+        if every and self.options.stops.checkpoint and self.world.rank == 0 \
                 and st.step // every > (st.step - closed) // every and not self.steps.nonfinite_run:
             self.stops.save_periodically()
         # A recovery inside a hook or the grow's poll ends the boundary at once: the other
@@ -534,7 +539,8 @@ class Job:
                     or self._max_steps_reached())
 
     def _max_steps_reached(self) -> bool:
-        return self.options.max_steps is not None and self.state.step >= self.options.max_steps
+        most = self.options.steps.max_steps
+        return most is not None and self.state.step >= most
 
     def request_resize(self, new_size: int, reason: str = "user request", *,
                        remove: Optional[List[int]] = None) -> None:
@@ -611,7 +617,7 @@ def _options_of(args: Optional[argparse.Namespace], keywords: Mapping[str, Any])
     its policies built: ConfigurationError names a policy whose settings are unusable), or
     from keywords alone."""
     if args is None:
-        return JobOptions(**keywords)
+        return JobOptions.of(**keywords)
     from hpcadapt.policies import build_policies, unused_flags
 
     for message in unused_flags(args):

@@ -36,7 +36,7 @@ class Adaptation:
         from hpcadapt.policies.lr_rules import LRRule
 
         self.job = job
-        o = job.options
+        o = job.options.adaptation
         #: the policies and the rate rule: a snapshot in, decisions and a plan out
         self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
                                    resize_batch=o.resize_batch)
@@ -205,12 +205,12 @@ class Adaptation:
                               "training goes on with %s after the recovery", old.name,
                               new.name, old.describe())
                 raise
-            identical = job.monitoring.replicas_identical() if job.options.check_replicas else None
+            identical = job.monitoring.check_replicas_if_asked()
         elif old.asynchronous and job.world.size > 1:
             # out of bounded delay: only rank 0's optimizer stepped (the models are rank
             # 0's since the round's end); its state goes to every rank
             broadcast_optimizer_state(job.optimizer.optimizer, root=0, world=job.world)
-            identical = job.monitoring.replicas_identical() if job.options.check_replicas else None
+            identical = job.monitoring.check_replicas_if_asked()
         st.strategy = new
         job.world.bump_version()
         if job.world.rank == 0:

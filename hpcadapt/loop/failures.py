@@ -63,7 +63,7 @@ class FailureRecovery:
         """Whether a peer's death can be survived here (then each step keeps what it may
         change, to undo it): more than one worker now, or workers that may join."""
         job = self.job
-        return job.options.on_failure == "recover" and (job.world.size > 1
+        return job.options.failures.on_failure == "recover" and (job.world.size > 1
                                                         or job.membership.elastic is not None)
 
     def recover(self, exc: BaseException, *, holds_state: bool,
@@ -85,7 +85,7 @@ class FailureRecovery:
         job = self.job
         o, st = job.options, job.state
         exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
-        if o.on_failure != "recover" or exc.cause not in ("dead", "notice"):
+        if o.failures.on_failure != "recover" or exc.cause not in ("dead", "notice"):
             job.stops.fail(exc)
         if earlier is None:
             earlier = _RecoveryStart(time.perf_counter(), job.world)
@@ -98,11 +98,11 @@ class FailureRecovery:
         try:
             faults.point("recovery", st.step)  # a second death, during the recovery
             if world_mod.ULFM:
-                with world_mod.Watchdog(o.peer_timeout, "the shrink", expire):
+                with world_mod.Watchdog(o.failures.peer_timeout, "the shrink", expire):
                     agreement, shrunk = recovery.shrink(job.world)
             else:
                 agreement = recovery.agree(job.world, [exc.rank] if exc.rank >= 0 else [],
-                                           o.peer_timeout)
+                                           o.failures.peer_timeout)
         except world_mod.FAILURES as again:
             job.stops.fail(world_mod.as_failure(again, "the recovery"))
         t_agreed = time.perf_counter()
@@ -124,7 +124,7 @@ class FailureRecovery:
             # Joiners of a pending grow would connect to the old world: start again later.
             job.membership.record_resize(elastic.abandon("a worker died"))
 
-        with world_mod.Watchdog(o.peer_timeout, "the recovery", expire):
+        with world_mod.Watchdog(o.failures.peer_timeout, "the recovery", expire):
             try:
                 comm = shrunk if shrunk is not None else \
                     recovery.form_world(job.world.comm, agreement.survivors)
@@ -194,10 +194,10 @@ class FailureRecovery:
         that moved since (cooldowns, probes: rank 0 alone held them). Every decision already
         applied (batch, rate, size) is in the training state that all ranks hold."""
         job = self.job
-        job.recorder.take_over(job.options.metrics_file)
+        job.recorder.take_over(job.options.recording.metrics_file)
         job.membership.own_the_end()  # a joiner no longer: it owns the checkpoint and the end
         if job.membership.elastic is not None:
-            job.membership.elastic.warm_spares = job.options.warm_spares
+            job.membership.elastic.warm_spares = job.options.membership.warm_spares
         agent.record_coordinator()
         log.warning("rank 0 died: this worker (pid %d) is the coordinator now (metrics "
                     "file, decisions, checkpoint, allocator); the policies' counters "

@@ -43,7 +43,7 @@ class Monitoring:
         import functools
 
         job = self.job
-        o, engine = job.options, job.adaptation.engine
+        o, engine = job.options.monitoring, job.adaptation.engine
         monitors = list(dict.fromkeys(list(o.monitors) + engine.required_monitors))
         intervals = [o.monitor_interval] if o.monitors else []
         intervals += [max(1, int(p.interval)) for p in engine.policies if p.requires]
@@ -60,6 +60,10 @@ class Monitoring:
         pair = np.array([digest, -digest], dtype=np.int64)
         communicator(job.world).allreduce(pair, ReduceOp.MAX)
         return bool(pair[0] == -pair[1])
+
+    def check_replicas_if_asked(self) -> Optional[bool]:
+        """``replicas_identical()`` under ``--check-replicas``, else None (not checked)."""
+        return self.replicas_identical() if self.job.options.monitoring.check_replicas else None
 
     def model_digest(self) -> str:
         """A hash of this rank's parameters and buffers (BatchNorm's running statistics;
@@ -124,7 +128,7 @@ class Monitoring:
         from hpcadapt.comm.topology import emulated_layout, layout_from_keys
 
         job = self.job
-        k = job.options.ranks_per_node
+        k = job.options.comm.ranks_per_node
         layout = emulated_layout(job.world.size, k) if k is not None else \
             layout_from_keys([key for _, key, _ in job.world.peers])
         return len(layout.nodes)
@@ -156,8 +160,8 @@ class Monitoring:
             wait_time=tuple(t.wait_time.tolist()) if t else (),
             rank_samples=tuple(t.samples.tolist()) if t else (),
             max_workers=steps.slot_ranks() if elastic is not None else job.world.size,
-            min_workers=job.options.min_workers, can_resize=elastic is not None,
-            max_local_batch=job.options.max_local_batch,
+            min_workers=job.options.membership.min_workers, can_resize=elastic is not None,
+            max_local_batch=job.options.steps.max_local_batch,
             cluster_version=job.world.cluster_version,
             resizing=bool(elastic is not None and elastic.growing),
             strategy=st.strategy.name, topology=st.topology, nodes=self._node_count())
@@ -175,7 +179,7 @@ class Monitoring:
             samples_per_s=count / steps.step_time if steps.step_time else 0.0,
             step_time_s=steps.step_time, cluster_version=job.world.cluster_version,
             monitors=self._step_monitors(), betas=used["betas"], lr_groups=used["lr_groups"]))
-        if job.options.progress and job.world.rank == 0 and st.step % 20 == 0:
+        if job.options.recording.progress and job.world.rank == 0 and st.step % 20 == 0:
             sys.stderr.write(f"\repoch {st.epoch} step {st.step} loss {steps.last_loss:.4f} "
                              f"batch {st.hyper.batch_size} on {job.world.size} workers   ")
 

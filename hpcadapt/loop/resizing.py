@@ -20,7 +20,7 @@ import numpy as np
 
 from hpcadapt.base import faults, lifecycle
 from hpcadapt.base.errors import ConfigurationError, MembershipError, on_every_rank
-from hpcadapt.base.options import JobOptions
+from hpcadapt.base.options import JobOptions, MembershipOptions
 from hpcadapt.base.metrics import ResizeRecord
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
@@ -97,7 +97,7 @@ class MembershipChanges:
         allocator and the elastic controller that grows and shrinks the job."""
         from hpcadapt.elastic.membership import ElasticController, joiner_argv
 
-        o = self.options
+        o = self.options.membership
         # Every rank checks the same flags: one line from rank 0, exit 2 (not an abort).
         problem = None
         if o.max_workers < self.world.size and not self.joining:
@@ -122,7 +122,7 @@ class MembershipChanges:
         # Rank 0 gives up a joiner that does not connect well before the others' bounded
         # waits for its word (--peer-timeout) expire: the grow is then abandoned and training
         # goes on, instead of the job ending (the 200-event soak met exactly that race).
-        self.elastic.accept_timeout = o.peer_timeout / 3
+        self.elastic.accept_timeout = self.options.failures.peer_timeout / 3
         self.elastic.warm_spares = 0 if self.joining else o.warm_spares
         self.elastic.spare_pool_used = bool(o.warm_spares) and self.elastic.spawns
 
@@ -130,7 +130,7 @@ class MembershipChanges:
         """(the size to train at from the first step, why): --initial-workers, or on a
         resume the size the checkpoint was written at (--resume-size saved), capped by
         --max-workers; each case that does not grow back says so in one line."""
-        o = self.options
+        o = self.options.membership
         want = o.initial_workers or 0
         saved = self.state.world_size if resumed else 0
         if saved <= max(want, self.world.size):
@@ -303,7 +303,7 @@ class MembershipChanges:
         # report of the death) is theirs to handle for as long as the accept may wait: a
         # fixed 5 s here lost that race on a busy machine (the job ended, exit 75, where
         # its own recovery would have gone on).
-        grace = self.options.peer_timeout / 3
+        grace = self.options.failures.peer_timeout / 3
 
         def check() -> Optional[str]:
             reasons = [f"a joining worker {w.failed().replace(' during start-up', '')}"
@@ -320,18 +320,18 @@ class MembershipChanges:
         def expire(reason: str) -> None:
             self.job.stops.fail(world_mod.PeerFailure(reason, cause="join"))
 
-        return world_mod.Watchdog(self.options.peer_timeout, "a join", expire, check)
+        return world_mod.Watchdog(self.options.failures.peer_timeout, "a join", expire, check)
 
     def _send_state_over_bridge(self, bridge, watch) -> None:
         """Rank 0, during a join: the state to one joiner over their two-process bridge."""
-        watch.floor = self.options.peer_timeout
+        watch.floor = self.options.failures.peer_timeout
         view = CommView(bridge, self.world.cluster_version + 1, watch)
         self.state.broadcast(view, is_root=True)
 
     def _receive_state_over_bridge(self, bridge) -> None:
         """A joiner: the state from rank 0 over the bridge (bounded by --peer-timeout)."""
         watch = world_mod.PeerWatch(1, [], blind=True)
-        watch.floor = self.options.peer_timeout
+        watch.floor = self.options.failures.peer_timeout
         view = CommView(bridge, -1, watch)
         self._joined_version = self.state.broadcast(view, is_root=False)
 
@@ -369,7 +369,7 @@ class MembershipChanges:
             lifecycle.end_process(3)
 
         try:
-            with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
+            with world_mod.Watchdog(self.options.failures.peer_timeout, "joining the job",
                                     _give_up_join):
                 self.world.replace(join_running_job(ticket, self._receive_state_over_bridge,
                                                     port),
@@ -389,7 +389,7 @@ class MembershipChanges:
         from hpcadapt.elastic.membership import ResizeOutcome
         from hpcadapt.elastic.spawned import join_spawning_job
 
-        wait_s = self.options.join_timeout + self.options.peer_timeout
+        wait_s = self.options.membership.join_timeout + self.options.failures.peer_timeout
         if self.spare_of:
             # A warm spare waits until a grow takes it (or its rank 0 is gone, or the job
             # tells it to go); its merge is bounded like a joiner's.
@@ -416,7 +416,7 @@ class MembershipChanges:
         # takes the state from a survivor that holds it.
         with self.job.recovery_scope() as scope:
             try:
-                with world_mod.Watchdog(self.options.peer_timeout, "joining the job",
+                with world_mod.Watchdog(self.options.failures.peer_timeout, "joining the job",
                                         _give_up_join):
                     self.world.replace(merged)
                     world_mod.agree_all_alive(merged)  # the job's ranks agree on it too
@@ -477,10 +477,9 @@ class MembershipChanges:
         # bounded delay they are rank 0's between rounds (a round given up by a recovery
         # goes back to the weights of its start everywhere).
         strategy = self.state.strategy
-        if self.options.check_replicas and outcome.ok and (strategy.averages_gradients
-                                                           or strategy.asynchronous):
-            identical = self.job.monitoring.replicas_identical()
-            if not identical and self.world.rank == 0:
+        if outcome.ok and (strategy.averages_gradients or strategy.asynchronous):
+            identical = self.job.monitoring.check_replicas_if_asked()
+            if identical is False and self.world.rank == 0:
                 log.error("replicas differ after the resize to %d workers", self.world.size)
             self.identical_after_resize = identical
         self.job.steps.resized()
@@ -545,7 +544,7 @@ class MembershipChanges:
         """A grow still pending when training ends is abandoned on every rank."""
         if self.elastic is not None and self.elastic.growing and not self.left:
             self.record_resize(self.elastic.abandon("training ended first",
-                                                     wait_s=self.options.peer_timeout))
+                                                     wait_s=self.options.failures.peer_timeout))
 
     def leave(self) -> None:
         """This rank left the job in a shrink: nothing of it is needed any more."""
@@ -583,19 +582,19 @@ def _give_up_join(reason) -> None:
     lifecycle.end_process(3)
 
 
-def build_allocator(options: JobOptions, rank: int):
-    """The allocator the options ask for, and the folder joiners find the port in.
+def build_allocator(size: MembershipOptions, rank: int):
+    """The allocator the membership options ask for, and the folder joiners find the port in.
 
     Slurm needs its commands and a job to live in; without them it says why in one line
     (rank 0) and the job uses the local allocator."""
     if flavour().open_mpi:
         # A grow spawns its joiners from the job (mpirun places them on the nodes it was
         # given): no companion allocations, whose workers could not connect there.
-        if options.allocator == "slurm" and rank == 0:
+        if size.allocator == "slurm" and rank == 0:
             log.warning("--allocator slurm is not available on Open MPI: a grow spawns its "
                         "workers within this job's allocation (up to --max-workers)")
-        return LocalAllocator(options.max_workers, launcher=options.launcher), None
-    if options.allocator in ("auto", "slurm"):
+        return LocalAllocator(size.max_workers, launcher=size.launcher), None
+    if size.allocator in ("auto", "slurm"):
         from hpcadapt.slurm import SlurmAllocator, in_slurm_job, slurm_available
 
         why = ""
@@ -605,10 +604,10 @@ def build_allocator(options: JobOptions, rank: int):
             why = "not inside a Slurm job (SLURM_JOB_ID is not set)"
         if not why:
             # The port folder must be visible from the new nodes: the job's working folder.
-            return (SlurmAllocator(None, options.max_workers, partition=options.slurm_partition,
-                                   pending_timeout=options.slurm_pending_timeout,
-                                   mpi=options.slurm_mpi, grow=options.slurm_grow),
+            return (SlurmAllocator(None, size.max_workers, partition=size.slurm_partition,
+                                   pending_timeout=size.slurm_pending_timeout,
+                                   mpi=size.slurm_mpi, grow=size.slurm_grow),
                     os.path.join(os.getcwd(), ".hpcadapt-join"))
-        if options.allocator == "slurm" and rank == 0:
+        if size.allocator == "slurm" and rank == 0:
             log.warning("Slurm allocator unavailable: %s; using the local allocator", why)
-    return LocalAllocator(options.max_workers, launcher=options.launcher), None
+    return LocalAllocator(size.max_workers, launcher=size.launcher), None

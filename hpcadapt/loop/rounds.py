@@ -53,8 +53,8 @@ class BoundedDelayRounds:
         strategy, batch = st.strategy, st.hyper.batch_size
         steps.begin_round()
         count = min(strategy.round_steps * batch, st.sampler.remaining)
-        if o.max_steps is not None:  # the round ends where --max-steps does
-            count = min(count, max(1, o.max_steps - st.step) * batch)
+        if o.steps.max_steps is not None:  # the round ends where --max-steps does
+            count = min(count, max(1, o.steps.max_steps - st.step) * batch)
         n_steps = -(-count // batch)
         flat = FlatModel(job.model)
         tensors = list(job.model.parameters()) + list(job.model.buffers())
@@ -95,7 +95,7 @@ class BoundedDelayRounds:
         """A worker's batch of a round: the (micro-)batches to yield; ``step(loss)`` after
         the last sends the gradient to the aggregator."""
         job = self.job
-        micro = split_micro(work.indices, job.options.max_local_batch)
+        micro = split_micro(work.indices, job.options.steps.max_local_batch)
         for p in job.model.parameters():
             p.grad = None
         t0 = time.perf_counter()
@@ -140,7 +140,7 @@ class BoundedDelayRounds:
                                 wait_s=max(0.0, per_update - compute),
                                 samples=report.trained.get(w, 0))
             values[layout.slot(layout.STEP, 0)] = report.round_s / max(report.applications, 1)
-            stop_file = self.job.options.stop_file
+            stop_file = self.job.options.stops.stop_file
             values[layout.STOP_FILE] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
             values[layout.NONFINITE_UPDATES] = report.nonfinite_updates
         values[layout.STOP_SIGNAL] = 1.0 if self.steps.stop_signal_received() else 0.0

@@ -27,7 +27,7 @@ def choose_device(options: JobOptions, world):
 
     choice, error = None, ""
     try:
-        choice = choose(options.device, local_rank=world.local_rank,
+        choice = choose(options.comm.device, local_rank=world.local_rank,
                         local_size=world.local_size)
     except ConfigurationError as exc:
         error = str(exc)
@@ -45,13 +45,13 @@ def data_plane(model: nn.Module, options: JobOptions, device: torch.device,
     device the job trains on (``--device`` asked explicitly)."""
     params = [p for p in model.parameters()]
     where = params[0].device if params else torch.device("cpu")
-    if options.device != "auto" and where.type != device.type:
+    if options.comm.device != "auto" and where.type != device.type:
         raise ConfigurationError(
-            f"the model is on {where} but --device {options.device} trains on {device}: "
+            f"the model is on {where} but --device {options.comm.device} trains on {device}: "
             f"call model.to(job.device) before job.setup")
-    if options.data_plane == "auto" and where.type == "cuda":
+    if options.comm.data_plane == "auto" and where.type == "cuda":
         return device_choice.data_plane if device_choice.kind == "cuda" else "auto"
-    return options.data_plane
+    return options.comm.data_plane
 
 
 def agree(error: str, world) -> None:
@@ -68,12 +68,13 @@ def check_output_folders(options: JobOptions, world) -> None:
     o = options
     error = ""
     if world.rank == 0:
-        for flag, path in (("--checkpoint", o.checkpoint), ("--metrics-file", o.metrics_file),
-                           ("--summary-json", o.summary_json)):
+        for flag, path in (("--checkpoint", o.stops.checkpoint),
+                           ("--metrics-file", o.recording.metrics_file),
+                           ("--summary-json", o.recording.summary_json)):
             if path and not error:
                 error = unwritable(flag, path, replaced=flag == "--checkpoint")
-        if o.sample_log and not error:
-            error = unwritable("--sample-log", o.sample_log, folder_path=True)
+        if o.recording.sample_log and not error:
+            error = unwritable("--sample-log", o.recording.sample_log, folder_path=True)
     agree(error, world)
 
 

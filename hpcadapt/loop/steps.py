@@ -182,11 +182,11 @@ class StepRunner:
         self._t_start = time.perf_counter()
         self.job.adaptation.follow_ramp()
         part = st.sampler.peek(st.hyper.batch_size, world.rank, world.size)
-        micro = split_micro(part.indices, o.max_local_batch)
+        micro = split_micro(part.indices, o.steps.max_local_batch)
         # before a loader restart (its workers' seeds) and forward (buffers) use the RNG
         self.keep_in_flight(len(micro))
         key = WalkKey(st.epoch, st.hyper.batch_size, world.rank, world.size,
-                      o.max_local_batch)
+                      o.steps.max_local_batch)
         if key != self._walk or self._walk_cursor != st.sampler.cursor:
             job.loader.restart(key, st.sampler.cursor)
             self._walk = key
@@ -203,7 +203,7 @@ class StepRunner:
         # left out of it, or each step's sleep would feed the next one's)
         self.open_step()
         opt.set_strategy(st.strategy)
-        opt.set_topology(st.topology, o.ranks_per_node)
+        opt.set_topology(st.topology, o.comm.ranks_per_node)
         opt.begin_step(st.step)
         # A step given up by a recovery is logged again when it is redone, with the new
         # world's cluster version: per step, the records of the highest version are the
@@ -218,7 +218,7 @@ class StepRunner:
         """A step's (a bounded-delay worker's batch's) ``job.step`` calls are due: its
         --slow-compute sleep, its loss sum from zero. ``send(clip_grad_norm, loss_sum)``:
         a bounded-delay worker's way to hand the update on after the last micro-batch."""
-        self._slept = self._slow_down(self.job.options.slow_compute, self._own_compute)
+        self._slept = self._slow_down(self.job.options.steps.slow_compute, self._own_compute)
         self.loss_sum = 0.0
         self._send = send
         self.open = True
@@ -293,7 +293,7 @@ class StepRunner:
             # In the user's code no exception may go: Job.step recovers, and the loop's
             # scope restarts the step when the loop asks for the next batch.
             return StepOutcome(committed=False, failure=exc, given_up=True)
-        self._slow_down(job.options.slow_comm, time.perf_counter() - t1)  # --slow-comm
+        self._slow_down(job.options.steps.slow_comm, time.perf_counter() - t1)  # --slow-comm
         t2 = time.perf_counter()
         self.read_control(stats.extras, self.part.global_count)
         # The global loss arrived with the gradients: every rank sees the same value, so all
@@ -400,9 +400,9 @@ class StepRunner:
         compared against a straggler or a slow link on one machine (tests, benchmarks)."""
         job = self.job
         o = job.options
-        if o.slow_until is not None and job.state.step >= o.slow_until:
+        if o.steps.slow_until is not None and job.state.step >= o.steps.slow_until:
             return 0.0
-        if factor > 1.0 and o.slow_rank == job.world.rank and seconds > 0:
+        if factor > 1.0 and o.steps.slow_rank == job.world.rank and seconds > 0:
             time.sleep((factor - 1.0) * seconds)
             return (factor - 1.0) * seconds
         return 0.0
@@ -432,7 +432,7 @@ class StepRunner:
         step_t, compute_t, wait_t = self._prev_local
         layout.put_rank(values, rank, step_s=step_t, compute_s=compute_t, wait_s=wait_t,
                         samples=len(self.part.indices))
-        stop_file = job.options.stop_file
+        stop_file = job.options.stops.stop_file
         values[layout.STOP_FILE] = 1.0 if rank == 0 and stop_file and os.path.exists(stop_file) \
             else 0.0
         values[layout.STOP_SIGNAL] = 1.0 if self.stop_signal_received() else 0.0

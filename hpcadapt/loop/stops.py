@@ -57,7 +57,7 @@ class Stops:
         job = self.job
         if job.world.rank == 0:
             log.info("stop file %s found at step %d: training ends here",
-                     job.options.stop_file, job.state.step)
+                     job.options.stops.stop_file, job.state.step)
 
     def resume(self, path: str) -> bool:
         """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
@@ -87,15 +87,15 @@ class Stops:
                                          saved_world_size=job.state.world_size,
                                          checkpoint=path,
                                          cluster_version=job.world.cluster_version))
-            flags = strategies.from_options(job.options)
+            flags = strategies.from_options(job.options.steps)
             if job.state.strategy != flags:
                 log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
                             "the run had switched; a policy may switch again)",
                             job.state.strategy.describe(), flags.describe())
-            if job.state.topology != job.options.topology:
+            if job.state.topology != job.options.comm.topology:
                 log.warning("resumed with the checkpoint's allreduce topology %s (the flags "
                             "say %s: the run had switched)", job.state.topology,
-                            job.options.topology)
+                            job.options.comm.topology)
         return True
 
     def save_checkpoint(self, path: str) -> None:
@@ -124,7 +124,7 @@ class Stops:
         st = job.state
         job.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=job.world.size,
                                    signal=why, saved=saved,
-                                   checkpoint=job.options.checkpoint if saved else None,
+                                   checkpoint=job.options.stops.checkpoint if saved else None,
                                    requeue=requeue, cluster_version=job.world.cluster_version))
 
     def fail(self, exc: BaseException) -> None:
@@ -151,14 +151,14 @@ class Stops:
                                           waited_s=exc.waited_s,
                                           cluster_version=job.world.cluster_version))
             saved = False
-            if job.options.checkpoint and not job.membership.joining:
+            if job.options.stops.checkpoint and not job.membership.joining:
                 self.stopped = "peer failure"
                 saved = self.save_for_stop(f"the failure of {who}")
                 if not saved:
                     code = 1
             else:
                 log.error("nothing saved (%s): the state of step %d is lost; exit %d",
-                          "no --checkpoint" if not job.options.checkpoint else
+                          "no --checkpoint" if not job.options.stops.checkpoint else
                           "a joined worker does not save", st.step, code)
             self.record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
         job.recorder.close()
@@ -188,7 +188,7 @@ class Stops:
                   "clip gradients, or raise --max-nonfinite-steps", n, unit, st.step,
                   st.hyper.lr, st.hyper.batch_size)
         self.record_stop(name, False, requeue=False)
-        path = job.options.checkpoint
+        path = job.options.stops.checkpoint
         kept = checkpoint_step(path) if path else None
         if kept is not None:
             log.error("the state in memory holds the update that diverged and is not saved; "
@@ -201,11 +201,11 @@ class Stops:
         """Rank 0, --checkpoint-every: a failed write is logged and training goes on."""
         job = self.job
         try:
-            self.save_checkpoint(job.options.checkpoint)
+            self.save_checkpoint(job.options.stops.checkpoint)
         except (OSError, RuntimeError) as exc:
             log.error("step %d: the periodic checkpoint could not be written to %s: %s; "
                       "training goes on, the previous checkpoint stays", job.state.step,
-                      job.options.checkpoint, exc)
+                      job.options.stops.checkpoint, exc)
 
     def save_for_stop(self, name: str) -> bool:
         job = self.job
@@ -215,7 +215,7 @@ class Stops:
                         "signal right after it starts. Slurm sends --signal=SIG@T up to "
                         "60 s before T; make the time limit (--time) well longer than "
                         "T + 60 s", st.step - self.resumed_at)
-        path = job.options.checkpoint
+        path = job.options.stops.checkpoint
         if not path:
             log.warning("stopped on %s at step %d; no --checkpoint given, state not saved "
                         "(pass --checkpoint PATH to save it and resume)", name, st.step)
@@ -254,11 +254,11 @@ class Stops:
         summary = self.summary()
         self.close_loader()
         if job.world.rank == 0:
-            if job.options.progress:
+            if job.options.recording.progress:
                 sys.stderr.write("\n")
             print(json.dumps(summary), flush=True)
-            if job.options.summary_json:
-                with open(job.options.summary_json, "w", encoding="utf-8") as f:
+            if job.options.recording.summary_json:
+                with open(job.options.recording.summary_json, "w", encoding="utf-8") as f:
                     json.dump(summary, f)
         job.recorder.close()
         job.membership.release_workers()
@@ -267,11 +267,11 @@ class Stops:
             # Requeue only from a saved state (rank 0 saves; the others follow its word).
             self.exit_code = EXIT_REQUEUE if self.requeue and \
                 not self.stopped.endswith("NOT saved") else 1
-        elif job.options.checkpoint and job.world.rank == 0 and not job.membership.joining \
-                and os.path.exists(job.options.checkpoint):
-            os.unlink(job.options.checkpoint)
+        elif job.options.stops.checkpoint and job.world.rank == 0 and not job.membership.joining \
+                and os.path.exists(job.options.stops.checkpoint):
+            os.unlink(job.options.stops.checkpoint)
             log.info("training finished; removed the preemption checkpoint %s",
-                     job.options.checkpoint)
+                     job.options.stops.checkpoint)
         if job.world.rank == 0:
             agent.record_exit_code(self.exit_code)
         lifecycle.plan_exit(self.exit_code)

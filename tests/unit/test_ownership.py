@@ -206,3 +206,70 @@ def test_the_job_holds_references_and_delegates():
     assert len(attributes) <= 15, sorted(attributes)
     tree = ast.parse(open(os.path.join(ROOT, "hpcadapt", "job.py"), encoding="utf-8").read())
     assert not _class_named(tree, "Job").bases, "the Job is one class, not mixins"
+
+
+def test_every_option_has_one_group_and_is_read_through_it():
+    """The options are split per collaborator (``JobOptions.steps``, ``.stops``, ...): each
+    option belongs to one group, the flat keywords ``Job(...)`` takes land in it, and no
+    module of the package reads an option past its group (``job.options.checkpoint``
+    would be an AttributeError at run time, found here first)."""
+    import dataclasses
+
+    import pytest
+
+    from hpcadapt.base import options as options_mod
+    from hpcadapt.base.options import JobOptions
+
+    groups = {f.name: f.type for f in dataclasses.fields(JobOptions)}
+    seen = collections.Counter(name for group in options_mod._GROUPS.values()
+                               for name in group.__dataclass_fields__)
+    assert set(options_mod._GROUPS) == set(groups)
+    assert [name for name, n in seen.items() if n > 1] == []
+    built = JobOptions.of(checkpoint="c", peer_timeout=5.0, lr_rule="sqrt", device="cpu")
+    assert (built.stops.checkpoint, built.failures.peer_timeout, built.adaptation.lr_rule,
+            built.comm.device) == ("c", 5.0, "sqrt", "cpu")
+    with pytest.raises(TypeError, match="unknown option.*checkpoints"):
+        JobOptions.of(checkpoints="c")
+    flat = []
+    package = os.path.join(ROOT, "hpcadapt")
+    for folder, _, names in os.walk(package):
+        for name in names:
+            if not name.endswith(".py") or name == "options.py":
+                continue
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for scope in ast.walk(tree):
+                if not isinstance(scope, (ast.FunctionDef, ast.Module)):
+                    continue
+                whole = {"options"} | _names_bound_to_options(scope)
+                for node in ast.walk(scope):
+                    if isinstance(node, ast.Attribute) and node.attr in seen \
+                            and ast.unparse(node.value).split(".")[-1] in whole:
+                        flat.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} "
+                                    f"{ast.unparse(node)}")
+    assert sorted(set(flat)) == [], sorted(set(flat))
+
+
+def _names_bound_to_options(scope):
+    """The local names a scope binds to the whole options (``o = job.options``,
+    ``o, st = self.options, self.state``), not to one of its groups."""
+    names = set()
+    for node in ast.walk(scope):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = [(target, node.value)]
+            if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(target.elts, node.value.elts))
+            for name, value in pairs:
+                if isinstance(name, ast.Name) and ast.unparse(value).split(".")[-1] == "options":
+                    names.add(name.id)
+    return names
+
+
+def test_the_options_reader_sees_aliases_of_the_whole_options():
+    code = ("def f(job):\n    o, st = job.options, job.state\n    g = job.options.stops\n"
+            "    return o.checkpoint, g.checkpoint\n")
+    scope = ast.parse(code).body[0]
+    assert _names_bound_to_options(scope) == {"o"}

@@ -59,12 +59,13 @@ def _worker_runner():
     import torch
 
     from hpcadapt.base import strategies
+    from hpcadapt.base.options import JobOptions
     from hpcadapt.loop.steps import StepRunner
 
     job = SimpleNamespace(
         state=SimpleNamespace(strategy=strategies.strategy("bounded-delay")),
         optimizer=SimpleNamespace(no_sync=_NoSync),
-        options=SimpleNamespace(slow_compute=1.0, slow_until=None, slow_rank=None))
+        options=JobOptions())
     runner = StepRunner(job)
     weight = torch.nn.Parameter(torch.ones(3))
     return runner, weight

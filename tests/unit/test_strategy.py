@@ -154,7 +154,7 @@ def test_a_registered_strategy_is_a_full_citizen_and_clashes_are_refused():
         assert Strategy.from_dict(Plan.from_json(Plan(version=1, step=1, strategy=s.to_dict())
                                                  .to_json()).strategy) == s
         args = build_parser().parse_args(["--strategy", "sparse-sma", "--sparse-sma-every", "5"])
-        assert from_options(JobOptions.from_args(args)) == strategy("sparse-sma", every=5)
+        assert from_options(JobOptions.from_args(args).steps) == strategy("sparse-sma", every=5)
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--strategy", "sparse-sma", "--sparse-sma-every", "0"])
         d = SyncSwitch(steps=[(3, "sparse-sma")]).after_step(_snap(3, "ssgd"))
@@ -191,13 +191,13 @@ def test_keyword_overrides_win_over_flags_and_unregistered_strategies_are_refuse
     from hpcadapt.train import build_parser
 
     args = build_parser().parse_args(["--strategy", "sma", "--sma-alpha", "0.2"])
-    assert from_options(JobOptions.from_args(args)) == strategy("sma", sma_alpha=0.2)
-    assert from_options(JobOptions.from_args(args, sma_alpha=0.3)) == strategy("sma",
+    assert from_options(JobOptions.from_args(args).steps) == strategy("sma", sma_alpha=0.2)
+    assert from_options(JobOptions.from_args(args, sma_alpha=0.3).steps) == strategy("sma",
                                                                                sma_alpha=0.3)
     assert from_options(JobOptions.from_args(args, strategy="local-sgd",
-                                             local_sgd_period=3)) == strategy("local-sgd",
+                                             local_sgd_period=3).steps) == strategy("local-sgd",
                                                                               period=3)
-    assert from_options(JobOptions(strategy=strategy("local-sgd", period=2))).period == 2
+    assert from_options(JobOptions.of(strategy=strategy("local-sgd", period=2)).steps).period == 2
     assert hpcadapt.strategy is strategy and hpcadapt.register_strategy is register_strategy
 
     @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def test_keyword_overrides_win_over_flags_and_unregistered_strategies_are_refuse
 
     for bad in (Strategy(), Unregistered()):
         with pytest.raises(ConfigurationError, match="is not a registered strategy"):
-            from_options(JobOptions(strategy=bad))
+            from_options(JobOptions.of(strategy=bad).steps)
 
     @dataclass(frozen=True)
     class NoDefault(Strategy):

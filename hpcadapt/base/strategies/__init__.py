@@ -96,9 +96,9 @@ def from_dict(raw: Mapping[str, Any]) -> Strategy:
 
 
 def from_options(options: Any) -> Strategy:
-    """The strategy of a ``JobOptions``: its ``strategy`` when that is a ``Strategy``, else
-    the named one with the settings the options hold for it (each setting's ``option``
-    field; the class's default where the options have none)."""
+    """The strategy of the step options (``JobOptions.steps``): its ``strategy`` when that
+    is a ``Strategy``, else the named one with the settings the options hold for it (each
+    setting's ``option`` field; the class's default where the options have none)."""
     given = getattr(options, "strategy", "ssgd")
     if isinstance(given, Strategy):
         return registered(given)

@@ -33,8 +33,8 @@ __all__ = ["Strategy", "Setting"]
 @dataclass(frozen=True)
 class Setting:
     """One setting of a strategy: its field, the command-line flag that sets it, the
-    ``JobOptions`` field that flag fills (where there is one) and a parser for the flag's
-    text (ValueError: the usage error)."""
+    option that flag fills (a field of ``JobOptions.steps``, where there is one) and a
+    parser for the flag's text (ValueError: the usage error)."""
 
     field: str
     flag: str
