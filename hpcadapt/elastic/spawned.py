@@ -46,7 +46,8 @@ class SpawnedGrow:
 
     def __init__(self, comm: MPI.Intracomm, argv: Sequence[str], count: int):
         self.count = count
-        self.comm = comm.Dup()
+        self.comm = comm.Dup()   # the spawn thread's
+        self.end_comm = comm.Dup()   # the main thread's, for the end's agreement
         self.inters: List[MPI.Intercomm] = []
         self.error = ""
         self._pids = np.zeros(count, dtype=np.int64)
@@ -143,18 +144,23 @@ class SpawnedGrow:
             raise JoinAborted(f"a spawned joiner died while it merged "
                               f"({exc.Get_error_string()})") from None
         self.comm.Free()
+        self.end_comm.Free()
         return current
 
     def give_up(self, wait_s: float = 0.0) -> None:
         """Every rank: the joiners are told to exit (rank 0). ``wait_s`` (the end of
         training): for a spawn still under way to return first (a process that exits during
-        its spawn fails the launch), and then parents and the joiners that said they are
-        alive disconnect from each other (``_disconnect``); without it (a recovery, which
+        its spawn fails the launch), and then, once the parents agree that every spawn
+        returned, parents and the joiners that said they are alive disconnect from each
+        other (``_disconnect``); without it (a recovery, which
         cannot wait) the spawn's communicators are left unfreed (a dead joiner would make
         freeing wait)."""
         t_end = time.perf_counter() + wait_s
         self._giving_up.set()  # no further spawn (rank 0's flag is the one that counts)
         self.thread.join(timeout=wait_s)
+        # Parents and joiners disconnect from each other only when every parent's spawn
+        # returned (the disconnect is collective over a spawn's parents and its joiner).
+        together = wait_s > 0 and self._all_spawns_returned(t_end)
         told = np.zeros(self.count, dtype=np.int64)
         if self.comm.Get_rank() == 0 and not self.thread.is_alive():
             # A joiner that reaches its first word after this process has gone blocks in
@@ -169,12 +175,30 @@ class SpawnedGrow:
             # Only a joiner that said it is alive listens (EarlyWord) and disconnects too: the
             # parents' disconnect from any other would wait for it.
             told[:len(self.inters)] = _tell_give_up(
-                self.inters, t_end, disconnect=self._alive_flags() if wait_s > 0 else None)
-        if wait_s > 0 and not self.thread.is_alive():  # a spawn still in flight uses comm
+                self.inters, t_end, disconnect=self._alive_flags() if together else None)
+        if together:
             self._disconnect(told, t_end)
         # (with the receives still posted: MPI may yet write into their buffers)
-        ABANDONED.extend([self.inters, self.comm, self.thread, self._alive, self._ready,
-                          self._alive_pids, self._pids])
+        ABANDONED.extend([self.inters, self.comm, self.end_comm, self.thread, self._alive,
+                          self._ready, self._alive_pids, self._pids])
+
+    def _all_spawns_returned(self, t_end: float) -> bool:
+        """Every parent at the end: whether every parent's spawn thread has returned (a
+        bounded allreduce on the main thread's own communicator; False when it does not
+        complete in time: a parent died, or a spawn returned on some parents only)."""
+        flag = np.array([0 if self.thread.is_alive() else 1], dtype=np.int64)
+        result = np.zeros(1, dtype=np.int64)
+        try:
+            request = self.end_comm.Iallreduce(flag, result, op=MPI.MIN)
+            while not request.Test():
+                if time.perf_counter() > t_end + 5.0:
+                    ABANDONED.extend([flag, result, request])
+                    return False
+                time.sleep(0.001)
+        except MPI.Exception:
+            ABANDONED.extend([flag, result])
+            return False
+        return bool(result[0])
 
     def _alive_flags(self) -> List[bool]:
         """Rank 0: for each joiner, whether it said it is alive."""
@@ -194,7 +218,7 @@ class SpawnedGrow:
         stop during a grow). A parent that died meanwhile: no disconnect (the exit's bounds
         hold)."""
         try:
-            request = self.comm.Ibcast(told, root=0)
+            request = self.end_comm.Ibcast(told, root=0)
             while not request.Test():
                 if time.perf_counter() > t_end + 5.0:
                     ABANDONED.extend([told, request])
