@@ -124,6 +124,7 @@ class SpawnedGrow:
         each spawn's intercommunicator (both sides must, or the joiners hang at exit)."""
         self.thread.join()  # returned or about to: the spawn is collective
         if self.error or len(self.inters) < self.count:
+            self.give_up()  # the joiners that did start are told to go
             raise JoinAborted(self.error or "the spawn did not return")
         _parents_all_alive(self)
         parents = self.comm.Get_size()
@@ -159,7 +160,8 @@ class SpawnedGrow:
         self._giving_up.set()  # no further spawn (rank 0's flag is the one that counts)
         self.thread.join(timeout=wait_s)
         # Parents and joiners disconnect from each other only when every parent's spawn
-        # returned (the disconnect is collective over a spawn's parents and its joiner).
+        # returned (the disconnect is collective over a spawn's parents and its joiner);
+        # rank 0's view of that decides, told to the others in _disconnect's broadcast.
         together = wait_s > 0 and self._all_spawns_returned(t_end)
         told = np.zeros(self.count, dtype=np.int64)
         if self.comm.Get_rank() == 0 and not self.thread.is_alive():
@@ -176,8 +178,9 @@ class SpawnedGrow:
             # parents' disconnect from any other would wait for it.
             told[:len(self.inters)] = _tell_give_up(
                 self.inters, t_end, disconnect=self._alive_flags() if together else None)
-        if together:
-            self._disconnect(told, t_end)
+        if wait_s > 0 and not self.thread.is_alive():  # a spawn in flight still uses comm
+            # its own bound: a parent whose allreduce above timed out still hears rank 0
+            self._disconnect(told, max(t_end, time.perf_counter()))
         # (with the receives still posted: MPI may yet write into their buffers)
         ABANDONED.extend([self.inters, self.comm, self.end_comm, self.thread, self._alive,
                           self._ready, self._alive_pids, self._pids])

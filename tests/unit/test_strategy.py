@@ -198,6 +198,9 @@ def test_keyword_overrides_win_over_flags_and_unregistered_strategies_are_refuse
                                              local_sgd_period=3).steps) == strategy("local-sgd",
                                                                               period=3)
     assert from_options(JobOptions.of(strategy=strategy("local-sgd", period=2)).steps).period == 2
+    # the whole options are read through their step group (not a silent default ssgd)
+    assert from_options(JobOptions.of(strategy="local-sgd", local_sgd_period=3)) == strategy(
+        "local-sgd", period=3)
     assert hpcadapt.strategy is strategy and hpcadapt.register_strategy is register_strategy
 
     @dataclass(frozen=True)

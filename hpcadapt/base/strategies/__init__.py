@@ -98,7 +98,9 @@ def from_dict(raw: Mapping[str, Any]) -> Strategy:
 def from_options(options: Any) -> Strategy:
     """The strategy of the step options (``JobOptions.steps``): its ``strategy`` when that
     is a ``Strategy``, else the named one with the settings the options hold for it (each
-    setting's ``option`` field; the class's default where the options have none)."""
+    setting's ``option`` field; the class's default where the options have none). The
+    whole ``JobOptions`` is read through its ``steps``."""
+    options = getattr(options, "steps", options)
     given = getattr(options, "strategy", "ssgd")
     if isinstance(given, Strategy):
         return registered(given)
