@@ -211,8 +211,8 @@ def test_the_job_holds_references_and_delegates():
 def test_every_option_has_one_group_and_is_read_through_it():
     """The options are split per collaborator (``JobOptions.steps``, ``.stops``, ...): each
     option belongs to one group, the flat keywords ``Job(...)`` takes land in it, and no
-    module of the package reads an option past its group (``job.options.checkpoint``
-    would be an AttributeError at run time, found here first)."""
+    module of the packages, the benchmarks or the examples reads an option past its group
+    (``job.options.checkpoint`` would be an AttributeError at run time, found here first)."""
     import dataclasses
 
     import pytest
@@ -231,8 +231,9 @@ def test_every_option_has_one_group_and_is_read_through_it():
     with pytest.raises(TypeError, match="unknown option.*checkpoints"):
         JobOptions.of(checkpoints="c")
     flat = []
-    package = os.path.join(ROOT, "hpcadapt")
-    for folder, _, names in os.walk(package):
+    for folder, _, names in [walked for package in ("hpcadapt", "policies", "cuda", "slurm",
+                                                    "benchmarks", "examples")
+                             for walked in os.walk(os.path.join(ROOT, package))]:
         for name in names:
             if not name.endswith(".py") or name == "options.py":
                 continue
@@ -240,7 +241,7 @@ def test_every_option_has_one_group_and_is_read_through_it():
             with open(path, encoding="utf-8") as f:
                 tree = ast.parse(f.read())
             for scope in ast.walk(tree):
-                if not isinstance(scope, (ast.FunctionDef, ast.Module)):
+                if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
                     continue
                 whole = {"options"} | _names_bound_to_options(scope)
                 for node in ast.walk(scope):
