@@ -188,7 +188,7 @@ class Job:
                                    self.extra, self.adaptation.engine)
         self.state.strategy = strategy
         self.state.topology = o.comm.topology
-        loader.bind(self._batches, lambda: self.state.hyper.batch_size)
+        loader.bind(self._batches, self.state.global_batch_size)
         loader.sampler.job_driven = True
         if self.membership.joining:
             self.membership.join()

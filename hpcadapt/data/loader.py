@@ -250,7 +250,8 @@ class ElasticDataLoader:
              batch_size: Callable[[], int]) -> None:
         """``job.setup`` binds the loader to the job: iterating it yields ``batches()``,
         this rank's (micro-)batches of the current epoch, with the step boundary between
-        steps; ``batch_size()`` is the job's global batch."""
+        steps; ``batch_size()`` is the job's global batch, read from its training state
+        (``TrainingState.global_batch_size``: the hyper-parameters hold the one value)."""
         self._batches = batches
         self._job_batch_size = batch_size
 

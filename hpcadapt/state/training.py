@@ -155,6 +155,10 @@ class TrainingState:
         # AdaScale's scale-invariant iterations: the sum of each committed step's gain.
         self.gain_steps = 0.0
 
+    def global_batch_size(self) -> int:
+        """The global batch now (the hyper-parameters' one value; what the loader reads)."""
+        return self.hyper.batch_size
+
     def rate_factor(self) -> float:
         """How far the policies moved the rate: the reference rate now over the one training
         started with. It multiplies whatever rate the user's optimizer and scheduler hold,
