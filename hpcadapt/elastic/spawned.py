@@ -191,17 +191,9 @@ class SpawnedGrow:
         complete in time: a parent died, or a spawn returned on some parents only)."""
         flag = np.array([0 if self.thread.is_alive() else 1], dtype=np.int64)
         result = np.zeros(1, dtype=np.int64)
-        try:
-            request = self.end_comm.Iallreduce(flag, result, op=MPI.MIN)
-            while not request.Test():
-                if time.perf_counter() > t_end + 5.0:
-                    ABANDONED.extend([flag, result, request])
-                    return False
-                time.sleep(0.001)
-        except MPI.Exception:
-            ABANDONED.extend([flag, result])
-            return False
-        return bool(result[0])
+        done = _completed_by(lambda: self.end_comm.Iallreduce(flag, result, op=MPI.MIN),
+                             t_end + 5.0, [flag, result])
+        return done and bool(result[0])
 
     def _alive_flags(self) -> List[bool]:
         """Rank 0: for each joiner, whether it said it is alive."""
@@ -220,15 +212,7 @@ class SpawnedGrow:
         crashed or hung there (SIGSEGV in ompi_dpm_dyn_finalize, the end 60 s late after a
         stop during a grow). A parent that died meanwhile: no disconnect (the exit's bounds
         hold)."""
-        try:
-            request = self.end_comm.Ibcast(told, root=0)
-            while not request.Test():
-                if time.perf_counter() > t_end + 5.0:
-                    ABANDONED.extend([told, request])
-                    return
-                time.sleep(0.001)
-        except MPI.Exception:
-            ABANDONED.append(told)
+        if not _completed_by(lambda: self.end_comm.Ibcast(told, root=0), t_end + 5.0, [told]):
             return
         for i, inter in enumerate(self.inters):
             if told[i]:
@@ -236,6 +220,23 @@ class SpawnedGrow:
                     inter.Disconnect()
                 except MPI.Exception:
                     pass  # that joiner died after it heard: the connection stays
+
+
+def _completed_by(start, deadline: float, buffers: list) -> bool:
+    """Whether the nonblocking operation ``start()`` posts completes by ``deadline``
+    (perf_counter); False on an MPI error too. An operation left incomplete keeps its
+    ``buffers`` and request alive (ABANDONED): MPI may yet write into them."""
+    try:
+        request = start()
+        while not request.Test():
+            if time.perf_counter() > deadline:
+                ABANDONED.extend(buffers + [request])
+                return False
+            time.sleep(0.001)
+    except MPI.Exception:
+        ABANDONED.extend(buffers)
+        return False
+    return True
 
 
 def _parents_all_alive(grow) -> None:
