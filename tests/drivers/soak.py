@@ -27,7 +27,9 @@ process of the job (gdb).
 At every event the driver reads, for each python process of the original launch (ranks 0 and
 1), its open fds (/proc/PID/fd), its children (/proc/*/stat ppid; zombies apart) and its RSS
 (VmRSS). Within one launch, fds and children are compared at the same world size (a joined
-worker holds a launcher child and sockets of its own), RSS first vs last. At the end: the stop
+worker holds a launcher child and sockets of its own), RSS first vs last. The shared memory of
+the loader workers' batches that a rank holds (/dev/shm/torch_*, one fd per tensor, as many as
+are in flight at that moment) is counted apart, against a bound of its own. At the end: the stop
 file, exit 0, every epoch that ended covered exactly once (per (epoch, step) the records of
 the highest cluster version count; versions start again at 0 after a relaunch, whose steps are
 new ones), every resize's replicas identical, and no process left.
@@ -153,6 +155,27 @@ def process_table(text: str) -> str:
     return "\n".join(rows) or "  (none)"
 
 
+# The shared memory of the batches that torch's loader workers sent and the rank still holds
+# (one fd per tensor, for as long as the batch lives): how many depends on the moment of the
+# sample (up to prefetch_factor batches per worker in flight), so these are counted apart,
+# against a bound of their own, not as the rank's fds.
+LOADER_SHM = "/dev/shm/torch_* (loader batches)"
+
+
+def fd_kind(pid: int, fd: str) -> str:
+    """What an open fd is: socket, pipe, anon_inode:[eventfd], the loader's batches or the
+    file's path, so that a growth says what grew."""
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return "gone"
+    if target.startswith(("socket:", "pipe:")):
+        return target.split(":")[0]
+    if target.startswith("/dev/shm/torch_"):
+        return LOADER_SHM
+    return target
+
+
 def resources(pids: Dict[int, int]) -> Dict[int, dict]:
     """{rank: {pid, fds, children, zombies, rss_kb}} of the given processes."""
     parents: Dict[int, List[str]] = {}
@@ -163,15 +186,22 @@ def resources(pids: Dict[int, int]) -> Dict[int, dict]:
     out = {}
     for rank, pid in pids.items():
         try:
-            fds = len(os.listdir(f"/proc/{pid}/fd"))
+            names = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
+        kinds: Dict[str, int] = {}
+        for name in names:
+            kind = fd_kind(pid, name)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        shm = kinds.pop(LOADER_SHM, 0)
+        fds = len(names) - shm
         rss = 0
         for line in _read(f"/proc/{pid}/status").decode(errors="replace").splitlines():
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1])
         kids = parents.get(pid, [])
-        out[rank] = {"pid": pid, "fds": fds, "children": sum(k != "Z" for k in kids),
+        out[rank] = {"pid": pid, "fds": fds, "fd_kinds": kinds, "loader_shm_fds": shm,
+                     "children": sum(k != "Z" for k in kids),
                      "zombies": sum(k == "Z" for k in kids), "rss_kb": rss}
     return out
 
@@ -621,7 +651,8 @@ class Soak:
             "no_process_left": True,
             "all_failures_recovered": all(f.get("recovered") for f in failures),
             "replicas_identical": all(r.get("replicas_identical") for r in resizes if r["ok"]),
-            "fds_bounded": res["fd_growth_max"] <= self.a.max_fd_growth,
+            "fds_bounded": res["fd_growth_max"] <= self.a.max_fd_growth
+            and res["loader_shm_fds_max"] <= loader_shm_bound(self.a),
             # One zombie may be a joiner's launcher that exited since the last step boundary
             # (rank 0 reaps them there); more would be launchers never reaped.
             "children_bounded": res["children_growth_max"] <= self.a.max_children_growth
@@ -673,6 +704,13 @@ def _median(xs):
     return round(statistics.median(xs), 4) if xs else None
 
 
+def loader_shm_bound(a) -> int:
+    """The most loader-batch fds a rank may hold: each worker's prefetch_factor (2) batches in
+    flight and the batch of the step, two tensors each, and as much again for the walk that a
+    resize just dropped (its batches are freed when collected). A leak grows past it."""
+    return 2 * 2 * (2 * a.loader_workers + 1)
+
+
 def resource_report(samples: List[dict], a) -> dict:
     """Per launch and rank: fds and children first vs last at the same world size (after
     the launch's first sample, the warm-up), RSS first (after warm-up) vs last."""
@@ -687,6 +725,14 @@ def resource_report(samples: List[dict], a) -> dict:
         for s in warm:
             sizes.setdefault(s["size"], []).append(s)
         fd = max((v[-1]["fds"] - v[0]["fds"] for v in sizes.values()), default=0)
+        grew = {}   # the fd kinds that grew most at one world size, first vs last
+        for v in sizes.values():
+            if v[-1]["fds"] - v[0]["fds"] == fd and fd > 0:
+                first, last = v[0].get("fd_kinds", {}), v[-1].get("fd_kinds", {})
+                grew = {k: last.get(k, 0) - first.get(k, 0) for k in set(first) | set(last)
+                        if last.get(k, 0) != first.get(k, 0)}
+                grew["events"] = [v[0]["event"], v[-1]["event"]]
+                break
         ch = max((v[-1]["children"] - v[0]["children"] for v in sizes.values()), default=0)
         rss = (warm[-1]["rss_kb"] - warm[0]["rss_kb"]) / 1024
         fd_growth.append(fd)
@@ -697,6 +743,7 @@ def resource_report(samples: List[dict], a) -> dict:
                          "events": ss[-1]["event"] - warm[0]["event"],
                          "fds_first_last": [warm[0]["fds"], warm[-1]["fds"]],
                          "fd_growth_same_size": fd,
+                         "fd_kinds_grown": grew,
                          "children_first_last": [warm[0]["children"], warm[-1]["children"]],
                          "children_growth_same_size": ch,
                          "rss_mb_first_last": [round(warm[0]["rss_kb"] / 1024, 1),
@@ -704,11 +751,14 @@ def resource_report(samples: List[dict], a) -> dict:
                          "rss_growth_mb": round(rss, 1)})
     longest = max(per_rank, key=lambda r: r["events"]) if per_rank else None
     return {"fd_growth_max": max(fd_growth, default=0),
+            "loader_shm_fds_max": max((s.get("loader_shm_fds", 0) for s in samples),
+                                      default=0),
             "children_growth_max": max(child_growth, default=0),
             "zombies_last_max": zombies_last,
             "rss_growth_mb_max": round(max(rss_growth, default=0.0), 1),
             "longest_launch": longest,
             "bounds": {"fds": a.max_fd_growth, "children": a.max_children_growth,
+                       "loader_shm_fds": loader_shm_bound(a),
                        "rss_mb": a.max_rss_growth_mb},
             "per_launch_rank": per_rank}
 

@@ -553,8 +553,10 @@ def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
     over = [r for r in res.get("per_launch_rank", [])
             if r["fd_growth_same_size"] > res["bounds"]["fds"]
             or r["children_growth_same_size"] > res["bounds"]["children"]]
-    assert result.get("ok"), (result.get("error") or result.get("checks"), over,
-                              proc.stdout[-3000:])
+    # a str message: pytest prints it whole (a tuple's repr is cut at 240 characters)
+    assert result.get("ok"), "\n".join([
+        json.dumps(result.get("error") or result.get("checks")),
+        "over a bound: " + json.dumps(over), proc.stdout[-3000:]])
     kinds = result["events_by_kind"]
     assert result["events"] == 10 and kinds["kill"] >= 1 and kinds["stop"] >= 1
     assert result["kills"]["recovered"] == kinds["kill"]
@@ -638,9 +640,13 @@ def test_a_fault_while_joiners_are_spawned_ends_with_the_trainings_code(tmp_path
     crashed or hung 60 s on them; a joiner whose parent died in the spawn hung in MPI_Init
     for good)."""
     ckpt = tmp_path / "state.ckpt"
-    run = Launch(tmp_path, 2, ENTRY + ["--max-workers", "4", "--policy", "resize-schedule",
-                                       "--resize-schedule-steps", "30:4",
-                                       "--checkpoint", str(ckpt)], agent=True)
+    stop = fault.startswith("SIG")
+    # A stop must land mid-training: with EPOCHS, a slow spawn could let training end first
+    # (the job then rightly exits 0); a kill's case checks every epoch of EPOCHS.
+    program = _short(1000 if stop else EPOCHS, "--max-workers", "4", "--policy",
+                     "resize-schedule", "--resize-schedule-steps", "30:4",
+                     "--checkpoint", str(ckpt))
+    run = Launch(tmp_path, 2, program, agent=True)
 
     def ranks():
         return set(python_ranks(str(run.metrics))) - {run.proc.pid}
@@ -660,7 +666,6 @@ def test_a_fault_while_joiners_are_spawned_ends_with_the_trainings_code(tmp_path
     print(f"\n{fault} at {delay} s: exit {code}, {time.monotonic() - t_fault:.1f} s after it, "
           f"{time.time() - run.metrics.stat().st_mtime:.1f} s after the last metrics line")
     err = run.stderr()
-    stop = fault.startswith("SIG")
     assert code == (75 if stop else 0), err[-4000:]
     assert "Segmentation fault" not in err and "Traceback" not in err, err[-4000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
