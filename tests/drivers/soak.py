@@ -581,9 +581,13 @@ class Soak:
             if pid in self.chains or not alive(pid):
                 continue
             chain, up = [pid], (stat(pid) or ("", 1))[1]
-            # Open MPI: every rank, spawned ones too, is a child of the one mpirun
-            while not self.openmpi and up > 1 and up not in world and up not in chain and any(
-                    self.metrics_path.encode() in part for part in cmdline(up)):
+            # MPICH: a joiner's ancestors up to the rank that started it (its
+            # hydra_pmi_proxy, whose command line names nothing of the run, and its mpiexec);
+            # an original rank's up to the launch. Open MPI: every rank, spawned ones too, is
+            # a child of the one mpirun.
+            ends = {os.getpid(), self.proc.pid if self.proc else 0}
+            while not self.openmpi and up > 1 and up not in world and up not in chain \
+                    and up not in ends:
                 chain.append(up)
                 up = (stat(up) or ("", 1))[1]
             self.chains[pid] = chain

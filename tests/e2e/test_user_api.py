@@ -178,7 +178,7 @@ def test_an_exception_on_rank_1_ends_the_job_with_its_traceback(loader_workers, 
 def test_an_exception_on_rank_1_ends_a_job_of_the_low_level_api():
     """hpcadapt.init() and the collectives only (no Job): rank 1's exception ends rank 0,
     which waits in the next allreduce, too (it hung before: the deadline is the timeout)."""
-    proc = run_mpi(2, [str(SCRIPTS / "fail_low_level.py")], check=False, timeout=60)
+    proc = run_mpi(2, [str(SCRIPTS / "fail_low_level.py")], check=False, timeout=300)
     assert proc.returncode != 0
     assert "[rank 1] RuntimeError: low-level user code failed on purpose on rank 1" in proc.stderr
     assert "[rank 1] Traceback" in proc.stderr

@@ -535,6 +535,7 @@ def test_twenty_random_kills_are_each_survived(tmp_path):
         assert [f["dead"] for f in run.rows("failure")] == [[victim]], i
 
 
+@pytest.mark.timeout(1560)
 def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
     """tests/drivers/soak.py --mpi openmpi, 10 events of a fixed seed in one job (kills of any
     rank, rank 0 included, each replaced by a spawned worker; stops through mpirun with a
@@ -546,8 +547,17 @@ def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
            "--events", "10", "--seed", "5", "--workdir", str(tmp_path / "work"), "--json",
            str(out), "--quiet", "--event-timeout", "150", "--start-timeout", "150",
            "--loader-workers", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=1500)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    # the driver ends what it started; this is the last guard (by the run's unique path)
+    reap_on_teardown(proc, str(tmp_path / "work" / "metrics.jsonl"))
+    try:
+        log, _ = proc.communicate(timeout=1500)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise AssertionError(f"the soak driver itself did not end:\n{log[-4000:]}")
+    assert out.exists(), log[-4000:]
     result = json.loads(out.read_text())
     res = result.get("resources") or {}
     over = [r for r in res.get("per_launch_rank", [])
@@ -556,7 +566,7 @@ def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
     # a str message: pytest prints it whole (a tuple's repr is cut at 240 characters)
     assert result.get("ok"), "\n".join([
         json.dumps(result.get("error") or result.get("checks")),
-        "over a bound: " + json.dumps(over), proc.stdout[-3000:]])
+        "over a bound: " + json.dumps(over), log[-3000:]])
     kinds = result["events_by_kind"]
     assert result["events"] == 10 and kinds["kill"] >= 1 and kinds["stop"] >= 1
     assert result["kills"]["recovered"] == kinds["kill"]

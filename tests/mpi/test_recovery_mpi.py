@@ -35,15 +35,20 @@ def test_a_suspect_is_agreed_dead_by_all(w):
 
 def test_a_rank_silent_past_the_deadline_is_counted_dead(w):
     silent = w.size - 1
+    # The others start the agreement together (a barrier of their own) with a deadline that
+    # a loaded machine's scheduling cannot miss: only the silent rank may be counted dead.
+    others = w.comm.Split(0 if w.rank != silent else 1, w.rank)
     if w.rank == silent:
         w.comm.Barrier()  # until the others have agreed without it
         _drain(w, senders=range(w.size - 1))
     else:
-        agreement = recovery.agree(w, [], deadline_s=0.5)
+        others.Barrier()
+        agreement = recovery.agree(w, [], deadline_s=5.0)
         assert agreement.dead == (silent,)
         assert agreement.survivors == tuple(range(w.size - 1))
         w.comm.Barrier()
     w.comm.Barrier()
+    others.Free()
 
 
 def _drain(w, senders):
