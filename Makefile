@@ -82,10 +82,10 @@ test-long:
 
 # Kills of any rank under `mpirun --with-ft ulfm` (skipped on an MPI without ULFM).
 test-ulfm: $(STAMP)
-	$(TIMEOUT) 2100 $(PYTEST) -q --timeout=600 --durations=10 tests/faults/test_ulfm.py
+	$(TIMEOUT) 2100 $(PYTEST) -q -rfEx --timeout=600 --durations=10 tests/faults/test_ulfm.py
 
 test-unit: $(STAMP)
-	$(TIMEOUT) $(UNIT_CAP) $(PYTEST) -q --timeout=600 --durations=20 tests
+	$(TIMEOUT) $(UNIT_CAP) $(PYTEST) -q -rfEx --timeout=600 --durations=20 tests
 
 test-mpi: $(STAMP)
 	$(TIMEOUT) 600 $(MPIEXEC) -n 2 $(PYTEST) -q --with-mpi -m mpi --timeout=300 tests
