@@ -177,7 +177,8 @@ def fd_kind(pid: int, fd: str) -> str:
 
 
 def resources(pids: Dict[int, int]) -> Dict[int, dict]:
-    """{rank: {pid, fds, children, zombies, rss_kb}} of the given processes."""
+    """{rank: {pid, fds, fd_kinds, loader_shm_fds, children, zombies, rss_kb}} of the given
+    processes (fds without the loader's batches, which loader_shm_fds counts)."""
     parents: Dict[int, List[str]] = {}
     for p in all_pids():
         s = stat(p)
