@@ -176,6 +176,29 @@ def _reap_live_jobs():
                     pass
 
 
+def run_soak_driver(tmp_path: Path, args: List[str], timeout: float) -> Tuple[dict, str]:
+    """tests/drivers/soak.py with ``args`` (its work folder and JSON in ``tmp_path``), in a
+    session of its own, reaped at teardown: (its JSON result, its output)."""
+    import json
+    import signal
+
+    out, work = tmp_path / "soak.json", tmp_path / "work"
+    cmd = [sys.executable, str(ROOT / "tests" / "drivers" / "soak.py"), "--workdir", str(work),
+           "--json", str(out)] + args
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    # the driver ends what it started; this is the last guard (by the run's unique path)
+    reap_on_teardown(proc, str(work / "metrics.jsonl"))
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        raise AssertionError(f"the soak driver itself did not end:\n{log[-4000:]}")
+    assert out.exists(), log[-4000:]
+    return json.loads(out.read_text()), log
+
+
 def complete_rows(path: Path) -> List[dict]:
     """The records of a JSON-lines file another process may be writing: only lines ended by
     a newline (a long record reaches the file in more than one write)."""

@@ -8,22 +8,16 @@ replicas identical after every resize, every sample of every finished epoch exac
 process left; fds and children of the original ranks back to their level at the same world
 size, RSS growth bounded."""
 
-import json
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT, reap_on_teardown, repeats
+from conftest import repeats, run_soak_driver
 
 pytestmark = pytest.mark.slow
 
-SOAK = ROOT / "tests" / "drivers" / "soak.py"
 # make test: 10 (seed 3's plan: resizes, kills and a stop). 8 ended on a kill, whose last
 # sample caught the killed joiner's launcher still exiting beside its replacement's
-# (children +1 at the same size, nothing left at the end): a sampling moment, not a leak.
+# (children +1 at the same size, nothing left at the end): a sampling moment, not a leak; the
+# driver now waits for a leaver's whole launcher chain (its proxy and mpiexec) before sampling.
 EVENTS = repeats(16, 10)
 SEED = 3
 
@@ -37,24 +31,10 @@ SEED = 3
 
 def _soak(tmp_path, events, extra):
     """Run the driver; returns (its JSON result, its output)."""
-    out = tmp_path / "soak.json"
-    work = tmp_path / "work"
-    cmd = [sys.executable, str(SOAK), "--events", str(events), "--seed", str(SEED),
-           "--workdir", str(work), "--json", str(out), "--resize-weight", "0.4",
-           "--kill-weight", "0.4", "--stop-weight", "0.2", "--event-timeout", "100",
-           "--start-timeout", "150"] + extra
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    # the driver kills what it started; this is the last guard (by the run's unique path)
-    reap_on_teardown(proc, str(work / "metrics.jsonl"))
-    try:
-        log, _ = proc.communicate(timeout=1200)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        raise AssertionError(f"the soak driver itself did not end:\n{log[-4000:]}")
-    assert out.exists(), log[-4000:]
-    result = json.loads(out.read_text())
+    result, log = run_soak_driver(tmp_path, [
+        "--events", str(events), "--seed", str(SEED), "--resize-weight", "0.4",
+        "--kill-weight", "0.4", "--stop-weight", "0.2", "--event-timeout", "100",
+        "--start-timeout", "150"] + extra, timeout=1200)
     assert not result.get("left_behind"), result.get("left_behind")
     return result, log
 

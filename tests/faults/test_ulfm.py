@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from conftest import FULL, ROOT, complete_rows, reap_on_teardown, repeats
+from conftest import FULL, ROOT, complete_rows, reap_on_teardown, repeats, run_soak_driver
 from procs import alive, launch_ranks, python_ranks
 from runs import every_sample_once
 
@@ -542,23 +542,9 @@ def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
     resume; scheduled grows and shrinks), every rank with 2 loader worker processes: no
     hang, every sample once, replicas identical, every failure recovered, nothing left (no
     worker either, in the process table or TMPDIR), no growth of fds, children or memory."""
-    out = tmp_path / "soak.json"
-    cmd = [sys.executable, str(ROOT / "tests" / "drivers" / "soak.py"), "--mpi", "openmpi",
-           "--events", "10", "--seed", "5", "--workdir", str(tmp_path / "work"), "--json",
-           str(out), "--quiet", "--event-timeout", "150", "--start-timeout", "150",
-           "--loader-workers", "2"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    # the driver ends what it started; this is the last guard (by the run's unique path)
-    reap_on_teardown(proc, str(tmp_path / "work" / "metrics.jsonl"))
-    try:
-        log, _ = proc.communicate(timeout=1500)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        raise AssertionError(f"the soak driver itself did not end:\n{log[-4000:]}")
-    assert out.exists(), log[-4000:]
-    result = json.loads(out.read_text())
+    result, log = run_soak_driver(tmp_path, [
+        "--mpi", "openmpi", "--events", "10", "--seed", "5", "--quiet", "--event-timeout",
+        "150", "--start-timeout", "150", "--loader-workers", "2"], timeout=1500)
     res = result.get("resources") or {}
     over = [r for r in res.get("per_launch_rank", [])
             if r["fd_growth_same_size"] > res["bounds"]["fds"]
