@@ -16,7 +16,10 @@ from procs import python_ranks
 pytestmark = pytest.mark.slow
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "rollback_user.py")
-COMMON = ["--epochs", "3", "--allocator", "local", "--launcher", "process",
+# 1,000 epochs: the failure run trains until its stop file (written once it recovered), so
+# the kill always lands while it trains; the planned run ends at the same step (--max-steps)
+# with the same learning-rate schedule (its length is the epochs')
+COMMON = ["--epochs", "1000", "--allocator", "local", "--launcher", "process",
           "--max-workers", "3", "--initial-workers", "3"]
 
 
@@ -74,7 +77,8 @@ def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_
     """cap 8: each rank's share of a step in micro-batches (2 at 3 workers, 3 at 2), so the
     loop body runs more than once a step, already before the step's exchange can fail."""
     flags = ["--max-local-batch", str(cap)] if cap else []
-    proc, out, metrics = _launch(tmp_path, "failure", flags)
+    stop = tmp_path / "STOP"
+    proc, out, metrics = _launch(tmp_path, "failure", flags + ["--stop-file", str(stop)])
 
     def joined():
         return [r for r in complete_rows(metrics)
@@ -87,6 +91,16 @@ def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_
     import signal
 
     os.kill(victim, signal.SIGKILL)
+
+    def recovered_and_on():
+        """Recovered and 10 steps on; or the run ended (its code is judged below)."""
+        rows = complete_rows(metrics)
+        failure = [r for r in rows if r.get("event") == "failure"]
+        return proc.poll() is not None or bool(failure) and any(
+            r.get("event") == "step" and r["step"] >= failure[0]["step"] + 10 for r in rows)
+
+    _wait(recovered_and_on, proc, "10 steps after the recovery", out)
+    stop.write_text("")
     code = proc.wait(timeout=300)
     if code in (11, 139) and not python_ranks(str(metrics)):
         pytest.xfail("MPICH 5.0.2 crashed (SIGSEGV) in a survivor after the kill")
@@ -113,7 +127,8 @@ def test_a_recovered_failure_leaves_the_users_state_as_an_uninterrupted_run(tmp_
 
     # The same sizes without a failure: 3 workers, then 2 from the step given up.
     proc2, out2, metrics2 = _launch(tmp_path, "planned", flags + [
-        "--policy", "resize-schedule", "--resize-schedule-steps", f"{given_up_at}:2"])
+        "--policy", "resize-schedule", "--resize-schedule-steps", f"{given_up_at}:2",
+        "--max-steps", str(steps)])
     assert proc2.wait(timeout=300) == 0, (out2 / "err").read_text()[-3000:]
     shrink = [r for r in complete_rows(metrics2) if r.get("event") == "resize"
               and r["new_size"] == 2]
