@@ -7,7 +7,7 @@ the time from the moment the running ranks stop to accept joiners (or split off 
 the next step can start, as rank 0 measures it; decision_to_first_step_s adds the joiners'
 start-up, during which training went on.
 Warm spare: the same 1 -> 2 grow with --warm-spares 1 (a worker started ahead, idle until the
-grow takes it), scheduled late enough for the spare to be warm (the run fails otherwise).
+grow takes it), asked once the spare reports warm (benchmarks/warm_spare_user.py).
 torchrun: 1 worker trains and checkpoints every 5 steps; at a checkpoint the membership changes
 to 2 workers, which start and reload the checkpoint. The restart time is from the last step
 before the change to the first step after it."""
@@ -24,10 +24,6 @@ from launch import ROOT, env, mpiexec, run_mpi
 
 BIG = "4096,2560,1024"   # about 25.7M parameters on 3x32x32 inputs
 SMALL = "256,256"
-# --quick: the small MLP's steps take about a millisecond: the warm spare's start-up spans
-# thousands of them
-QUICK_SPARE_GROW_AT = 3000
-QUICK_TORCHRUN_STEPS = 1000
 
 
 def mlp_parameters(hidden: str, inputs: int = 3 * 32 * 32, classes: int = 10) -> int:
@@ -36,21 +32,20 @@ def mlp_parameters(hidden: str, inputs: int = 3 * 32 * 32, classes: int = 10) ->
     return sum(a * b + b for a, b in zip(sizes, sizes[1:]))
 
 
-def hpcadapt_pauses(hidden, tmp, label, max_steps, *, stop_when_done=False):
-    """The pauses of the schedule's resizes. ``stop_when_done`` (--quick): the job is
-    stopped (its --stop-file) once the last resize, 2 -> 1, is in the metrics file, instead
-    of training on to ``max_steps``."""
+def hpcadapt_pauses(hidden, tmp, label, max_steps=None):
+    """The pauses of the schedule's resizes. Without ``max_steps`` (--quick) the job trains
+    until the last resize, 2 -> 1, is in the metrics file, then is stopped (its
+    --stop-file)."""
     metrics = os.path.join(tmp, f"hpcadapt-{label}.jsonl")
     args = ["-m", "hpcadapt.train", "--model", "mlp", "--hidden", hidden,
             "--dataset", "synthetic", "--synthetic-samples", "1024", "--batch-size", "32",
-            "--epochs", "100000", "--max-steps", str(max_steps), "--no-progress",
-            "--threads", "1",
+            "--epochs", "100000", "--no-progress", "--threads", "1",
             "--max-workers", "4", "--policy", "resize-schedule",
             "--resize-schedule-steps", "3:2,40:4,80:2,100:1", "--metrics-file", metrics]
-    if stop_when_done:
+    if max_steps is None:
         run_until_resized(args, metrics, os.path.join(tmp, f"hpcadapt-{label}.stop"), 2, 1)
     else:
-        run_mpi(1, args)
+        run_mpi(1, args + ["--max-steps", str(max_steps)])
     with open(metrics) as f:
         rows = [json.loads(line) for line in f]
     out = {}
@@ -84,27 +79,61 @@ def run_until_resized(args, metrics, stop, old_size, new_size, timeout=600.0):
         end_group(proc)
 
 
-def hpcadapt_warm_spare(hidden, tmp, grow_at=60):
-    """decision_to_first_step_s and pause_s of a 1 -> 2 grow taken by a warm spare."""
+def hpcadapt_warm_spare(hidden, tmp, timeout=600.0):
+    """decision_to_first_step_s and pause_s of a 1 -> 2 grow taken by a warm spare: the
+    grow is asked (benchmarks/warm_spare_user.py's grow file) once the spare says it is
+    warm, and the job is stopped once the grow is in its metrics file."""
+    import glob
+
+    from driver_failure import Tail, end_group, wait_for
+
     metrics = os.path.join(tmp, "hpcadapt-warm-spare.jsonl")
-    cmd = [mpiexec(), "-n", "1", sys.executable, "-m", "hpcadapt.train", "--model", "mlp",
-           "--hidden", hidden, "--dataset", "synthetic", "--synthetic-samples", "1024",
-           "--batch-size", "32", "--epochs", "100000", "--max-steps", str(grow_at + 20),
-           "--no-progress", "--threads", "1", "--max-workers", "2", "--warm-spares", "1",
-           "--policy", "resize-schedule", "--resize-schedule-steps", f"{grow_at}:2",
-           "--metrics-file", metrics]
-    proc = subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True,
-                          timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"the warm-spare run failed (exit {proc.returncode}): "
-                         f"{proc.stderr[-2000:]}")
-    if "took 1 spare(s) (1 warm)" not in proc.stderr:
-        raise SystemExit(f"the spare was not warm at step {grow_at} (start-up slower than "
-                         f"{grow_at} steps): {proc.stderr[-2000:]}")
-    with open(metrics) as f:
-        grows = [r for r in map(json.loads, f) if r["event"] == "resize" and r["ok"]]
-    return {"pause_s": grows[0]["pause_s"],
-            "decision_to_first_step_s": grows[0]["decision_to_first_step_s"]}
+    spares = os.path.join(tmp, "spares")  # the job's TMPDIR: a local spare's folder is there
+    os.mkdir(spares, 0o700)
+    grow, stop = os.path.join(tmp, "warm-spare.grow"), os.path.join(tmp, "warm-spare.stop")
+    err_path = os.path.join(tmp, "warm-spare.err")
+    cmd = [mpiexec(), "-n", "1", sys.executable, str(ROOT / "benchmarks" / "warm_spare_user.py"),
+           "--hidden", hidden, "--grow-file", grow, "--max-workers", "2", "--warm-spares",
+           "1", "--metrics-file", metrics, "--stop-file", stop]
+
+    def said():
+        with open(err_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def warm():
+        """A started spare said it is warm: its file (MPICH: a launch of its own) or rank 0's
+        line (Open MPI: a spawned spare)."""
+        return (glob.glob(os.path.join(spares, "hpcadapt-spare-*", "warm-0"))
+                or "warm spares ready: 1" in said())
+
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, env=dict(env(), TMPDIR=spares), cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        deadline = time.time() + timeout
+        while not warm():
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"the warm-spare run: no warm spare (exit {proc.poll()}): "
+                                 f"{said()[-2000:]}")
+            time.sleep(0.05)
+        with open(grow, "w"):
+            pass
+        tail = Tail(metrics)
+        at = wait_for(tail, 0, lambda r: r.get("event") == "resize" and r.get("ok"),
+                      "the warm spare's grow", timeout,
+                      lambda: None if proc.poll() is None else
+                      f"the job ended (exit {proc.returncode}): {said()[-2000:]}")
+        with open(stop, "w"):
+            pass
+        rc = proc.wait(timeout=timeout)
+    finally:
+        end_group(proc)
+    if rc != 0:
+        raise SystemExit(f"the warm-spare run failed (exit {rc}): {said()[-2000:]}")
+    if "took 1 spare(s) (1 warm)" not in said():
+        raise SystemExit(f"the grow did not take the warm spare: {said()[-2000:]}")
+    row = tail.rows[at]
+    return {"pause_s": row["pause_s"], "decision_to_first_step_s": row["decision_to_first_step_s"]}
 
 
 BROADCAST_CODE = """
@@ -136,17 +165,19 @@ def plain_broadcast_s(nbytes):
     return float(proc.stdout.split()[-1])
 
 
-def torchrun_restart(hidden, tmp, steps=40):
+def torchrun_restart(hidden, tmp, after=24):
     """torchrun with 1 worker trains and checkpoints; the membership changes to 2 workers:
     the job is stopped and torchrun starts 2 workers, which reload the checkpoint (what
     torch.distributed.elastic does on a membership change: stop every worker, rendezvous,
-    restart them all from the last checkpoint). Two agents on one host with the c10d
-    backend did not complete the re-rendezvous here, so the agent is restarted too."""
+    restart them all from the last checkpoint) and train ``after`` steps past the last one
+    logged. Two agents on one host with the c10d backend did not complete the
+    re-rendezvous here, so the agent is restarted too. The first agent would train 10**6
+    steps: the change always lands while it trains."""
     log = os.path.join(tmp, "torchrun.jsonl")
     ckpt = os.path.join(tmp, "torchrun.ckpt")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
-    def agent(nproc):
+    def agent(nproc, steps):
         return subprocess.Popen(
             [torchrun, "--standalone", f"--nproc-per-node={nproc}",
              str(ROOT / "benchmarks" / "torchrun_worker.py"), "--step-log", log,
@@ -162,7 +193,7 @@ def torchrun_restart(hidden, tmp, steps=40):
 
     agents = []
     try:
-        first = agent(1)
+        first = agent(1, 10 ** 6)
         agents.append(first)
         deadline = time.time() + 600
         # stop once the checkpoint of step 15 is on disk (written after step 15's log line)
@@ -173,7 +204,7 @@ def torchrun_restart(hidden, tmp, steps=40):
         changed_at = time.time()
         first.terminate()
         first.wait(timeout=120)
-        second = agent(2)
+        second = agent(2, max(x["step"] for x in rows()) + after)
         agents.append(second)
         second.wait(timeout=900)
     finally:  # an agent stops its workers on SIGTERM
@@ -200,17 +231,15 @@ def run(name, extra):
     ap = argparse.ArgumentParser(prog=f"run.py {name}")
     ap.add_argument("--quick", action="store_true",
                     help="the small MLP only (for the pauses, the warm spare, the broadcast "
-                         f"and torchrun), torchrun to step {QUICK_TORCHRUN_STEPS}")
+                         "and torchrun)")
     args = ap.parse_args(extra)
     tmp = tempfile.mkdtemp(prefix="hpcadapt-resize-")
     if args.quick:
         label, hidden = "small", SMALL
-        big = hpcadapt_pauses(SMALL, tmp, "small", 30000, stop_when_done=True)
+        big = hpcadapt_pauses(SMALL, tmp, "small")
         small = {}
-        spare = hpcadapt_warm_spare(SMALL, tmp, grow_at=QUICK_SPARE_GROW_AT)
-        # the small MLP's steps are fast: the 1-worker agent must not reach the end (and
-        # checkpoint it) before it is stopped after step 16
-        tr = torchrun_restart(SMALL, tmp, steps=QUICK_TORCHRUN_STEPS)
+        spare = hpcadapt_warm_spare(SMALL, tmp)
+        tr = torchrun_restart(SMALL, tmp)
     else:
         label, hidden = "25M", BIG
         big = hpcadapt_pauses(BIG, tmp, "25M", 400)
