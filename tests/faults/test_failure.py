@@ -277,7 +277,14 @@ def _kill_at_ready(run, seen):
         ((p, d) for p, d in joiner_pids(run).items() if p not in seen), None))
     seen.add(pid)
     ready = os.path.join(folder, "ready-0")
-    run.wait_for("its ready file", lambda: os.path.exists(ready) or not alive(pid), poll=0.001)
+    # A tight loop, not run.wait_for (its process scans take milliseconds): the join that
+    # follows the file takes some 20-150 ms, and the kill must land inside it.
+    deadline = time.monotonic() + 300
+    while not os.path.exists(ready) and alive(pid):
+        if run.proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"no ready file of joiner {pid} (job exit "
+                                 f"{run.proc.poll()}):\n{run.stderr()[-3000:]}")
+        time.sleep(0.001)
     run.kill(pid)
     return pid
 
