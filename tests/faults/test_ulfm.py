@@ -88,13 +88,17 @@ class Launch:
         self.wait_for(lambda: any(r["step"] >= step for r in self.rows("step")),
                       f"step {step}", timeout)
 
-    def stop_after_recovery(self, stop, steps=10):
-        """Wait for the failure record and ``steps`` steps after it, then write ``stop``
-        (the run trains until it appears: a kill polled at some step always lands while it
+    def stop_after_recovery(self, stop):
+        """Wait for the failure record and the end of the epoch it happened in, then write
+        ``stop``: that epoch is whole, so every sample of it is checked once. (The run
+        trains until the file appears, so a kill polled at some step always lands while it
         trains; with a fixed number of epochs, 150 steps take about a second here and a
-        test slowed by a busy machine killed ranks that had already finished)."""
+        test slowed by a busy machine killed ranks that had already finished.)"""
         failure = self.wait_for(lambda: self.rows("failure"), "the failure record")[0]
-        self.wait_for_step(failure["step"] + steps)
+        ended = self.wait_for(lambda: [r for r in self.rows("epoch")
+                                       if r["step"] > failure["step"]],
+                              "the end of the recovery's epoch")[0]
+        self.wait_for_step(ended["step"] + 1)  # the next epoch begun: that one is not last
         stop.write_text("")
 
     def kill(self, ranks):
@@ -124,7 +128,7 @@ def _until_stopped(program, stop, *flags):
 
 
 def _assert_recovered(run, killed_ranks, killed_pids, n, stop):
-    """Once recovered and some steps on, the stop file; then exit 0, every sample of every
+    """Once recovered and its epoch ended, the stop file; then exit 0, every sample of every
     epoch once (the last, cut by the stop, at most once), one failure line."""
     run.stop_after_recovery(stop)
     code = run.finish()
@@ -135,7 +139,9 @@ def _assert_recovered(run, killed_ranks, killed_pids, n, stop):
     assert failures[0]["old_size"] == n and failures[0]["world_size"] == n - len(killed_ranks)
     assert run.stderr().count("died (") == 1, run.stderr()[-4000:]
     seen = every_sample_once(run.samples)
-    assert sorted(seen) == list(range(max(seen) + 1)), sorted(seen)
+    # the recovery's epoch is whole (checked sample by sample), not the last one, cut
+    assert sorted(seen) == list(range(max(seen) + 1)) and max(seen) > failures[0]["epoch"], \
+        (sorted(seen), failures[0])
     assert not [p for p in killed_pids if alive(p)]
     return failures[0]
 
