@@ -89,16 +89,17 @@ class Launch:
                       f"step {step}", timeout)
 
     def stop_after_recovery(self, stop):
-        """Wait for the failure record and the end of the epoch it happened in, then write
-        ``stop``: that epoch is whole, so every sample of it is checked once. (The run
-        trains until the file appears, so a kill polled at some step always lands while it
-        trains; with a fixed number of epochs, 150 steps take about a second here and a
-        test slowed by a busy machine killed ranks that had already finished.)"""
+        """Wait for the failure record, the end of the epoch it happened in and of one
+        whole epoch at the shrunk size, then write ``stop``: both epochs are checked sample
+        by sample (see ``_whole_epochs_after``). The run trains until the file appears, so
+        a kill polled at some step always lands while it trains; with a fixed number of
+        epochs, 150 steps take about a second here and a test slowed by a busy machine
+        killed ranks that had already finished."""
         failure = self.wait_for(lambda: self.rows("failure"), "the failure record")[0]
         ended = self.wait_for(lambda: [r for r in self.rows("epoch")
-                                       if r["step"] > failure["step"]],
-                              "the end of the recovery's epoch")[0]
-        self.wait_for_step(ended["step"] + 1)  # the next epoch begun: that one is not last
+                                       if r["step"] > failure["step"]][1:],
+                              "an epoch's end after the recovery's")[0]
+        self.wait_for_step(ended["step"] + 1)  # the next epoch begun: those two are not last
         stop.write_text("")
 
     def kill(self, ranks):
@@ -127,6 +128,15 @@ def _until_stopped(program, stop, *flags):
     return program[:at] + ["1000"] + program[at + 1:] + ["--stop-file", str(stop), *flags]
 
 
+def _whole_epochs_after(run, failure):
+    """Every sample once; the recovery's epoch and the next, wholly at the shrunk size, are
+    whole (not the last epoch, which the stop file cuts)."""
+    seen = every_sample_once(run.samples)
+    assert sorted(seen) == list(range(max(seen) + 1)), sorted(seen)
+    assert max(seen) >= failure["epoch"] + 2, (sorted(seen), failure)
+    return seen
+
+
 def _assert_recovered(run, killed_ranks, killed_pids, n, stop):
     """Once recovered and its epoch ended, the stop file; then exit 0, every sample of every
     epoch once (the last, cut by the stop, at most once), one failure line."""
@@ -138,10 +148,7 @@ def _assert_recovered(run, killed_ranks, killed_pids, n, stop):
     assert sorted(failures[0]["dead"]) == sorted(killed_ranks), failures
     assert failures[0]["old_size"] == n and failures[0]["world_size"] == n - len(killed_ranks)
     assert run.stderr().count("died (") == 1, run.stderr()[-4000:]
-    seen = every_sample_once(run.samples)
-    # the recovery's epoch is whole (checked sample by sample), not the last one, cut
-    assert sorted(seen) == list(range(max(seen) + 1)) and max(seen) > failures[0]["epoch"], \
-        (sorted(seen), failures[0])
+    _whole_epochs_after(run, failures[0])
     assert not [p for p in killed_pids if alive(p)]
     return failures[0]
 
@@ -196,7 +203,8 @@ def _workers_of(pids):
 def test_ranks_killed_with_their_loader_workers_end_with_them(tmp_path, victims):
     """A user's script whose loader has 2 persistent workers per rank: killed ranks take
     their workers with them at once (nothing holds mpirun's output open), the survivors
-    train on until the stop file, mpirun exits 0, and no worker's folder is left in TMPDIR (the autouse check)."""
+    train on until the stop file, mpirun exits 0, and no worker's folder is left in TMPDIR
+    (the autouse check)."""
     stop = tmp_path / "STOP"
     run = Launch(tmp_path, 4, _until_stopped(USER, stop, "--num-workers", "2"))
     run.wait_for_step(40)
@@ -323,7 +331,7 @@ def test_the_death_of_a_spawned_joiner_is_survived_and_spares_the_others(tmp_pat
     assert summary["world_size"] == 2, summary
     assert run.rows("step")[-1]["world_size"] == 2
     assert "SIGTERM" not in run.stderr() and "stop signal" not in run.stderr()
-    every_sample_once(run.samples)
+    _whole_epochs_after(run, failures[0])
 
 
 @pytest.mark.parametrize("agent", [False, True], ids=["mpirun", "agent"])
@@ -496,7 +504,7 @@ def test_a_second_death_during_the_recovery_is_survived(tmp_path):
     assert [f["dead"] for f in failures] in ([[1, 2]], [[1], [1]]), failures
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == 2, summary
-    every_sample_once(run.samples)
+    _whole_epochs_after(run, failures[0])
 
 
 def test_a_death_while_the_survivors_form_their_world_is_recovered_again(tmp_path):
