@@ -169,6 +169,8 @@ class Job:
                 f"--initial-workers 2) or use --strategy ssgd")
         self.extra = UserState(extra)
         self.extra.check_serialisable()
+        setup_checks.schedule_for_policies(self.extra, self.adaptation.engine.policies,
+                                           self.world)
         self.stops.expect_identity(identity)
         self.model, self.loader = model, loader
         plane = setup_checks.data_plane(model, o, self.device, self.device_choice)
@@ -252,10 +254,12 @@ class Job:
 
     @property
     def accumulation_steps(self) -> int:
-        """The micro-batches this rank's share is cut into (``--max-local-batch``): the
-        batches the loader yields, and ``job.step`` calls, per step."""
+        """The micro-batches this rank's share is cut into (``--max-local-batch``; at world
+        size 1 with a gradient monitor on, two halves): the batches the loader yields, and
+        ``job.step`` calls, per step."""
+        self._require_setup()
         return max(1, len(split_micro(np.arange(self.local_batch_size),
-                                      self.options.steps.max_local_batch)))
+                                      self.steps.micro_cap())))
 
     @property
     def samples_seen(self) -> int:

@@ -10,6 +10,7 @@ from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.strategies import STRATEGIES
 
 from .base import Decision, MetricsSnapshot, Param, Policy
+from .decay_growth import DecayGrowth
 from .gns_batch import GNSBatchSize
 from .lr_rules import LR_RULES, RULE_PARAMS, LRRule, Ramp
 from .autoscale import AutoScale
@@ -23,7 +24,7 @@ from .sync_switch import SyncSwitch
 from .topology_auto import TopologyAuto
 
 __all__ = ["Policy", "Decision", "MetricsSnapshot", "Param", "POLICIES", "register",
-           "GNSBatchSize", "Goodput", "Schedule", "Seesaw", "ResizeSchedule", "AutoScale", "Straggler", "StragglerAsync", "SyncSwitch", "TopologyAuto", "LRRule", "Ramp", "LR_RULES",
+           "DecayGrowth", "GNSBatchSize", "Goodput", "Schedule", "Seesaw", "ResizeSchedule", "AutoScale", "Straggler", "StragglerAsync", "SyncSwitch", "TopologyAuto", "LRRule", "Ramp", "LR_RULES",
            "add_policy_arguments", "build_policies", "unused_flags", "build_lr_rule", "argparse_type"]
 
 POLICIES: Dict[str, Type[Policy]] = {}
@@ -37,7 +38,7 @@ def register(cls: Type[Policy]) -> Type[Policy]:
     return cls
 
 
-for _cls in (GNSBatchSize, Goodput, Schedule, Seesaw, ResizeSchedule, AutoScale, Straggler,
+for _cls in (DecayGrowth, GNSBatchSize, Goodput, Schedule, Seesaw, ResizeSchedule, AutoScale, Straggler,
              StragglerAsync, SyncSwitch, TopologyAuto):
     register(_cls)
 

@@ -44,6 +44,9 @@ class MetricsSnapshot:
     noise_scale_lo: float = float("nan")
     noise_scale_hi: float = float("nan")
     samples_seen: int = 0    # samples trained on in committed steps, all epochs together
+    # The user's scheduler's rate now (the optimizer's first group, without the policies'
+    # factor): what a schedule-reading policy (decay-growth) follows.
+    schedule_lr: float = float("nan")
     step_time: Tuple[float, ...] = ()
     compute_time: Tuple[float, ...] = ()
     wait_time: Tuple[float, ...] = ()
@@ -140,13 +143,18 @@ class Policy:
     keyword arguments, and override the hooks they need. A hook returns a Decision or None.
     ``interval``: the engine calls ``after_step`` only every ``interval`` steps.
     ``requires``: monitors the policy needs (e.g. "gns"), switched on for it.
-    ``reads``: snapshot fields that must be finite for the policy to run this step."""
+    ``reads``: snapshot fields that must be finite for the policy to run this step.
+    ``needs_rate_rule``: the ``--lr-rule`` values it works with (empty: any).
+    ``reads_schedule``: it follows the user's scheduler, which must then be keyed on samples
+    (``hpcadapt.ProgressLR``), checked at ``job.setup``."""
 
     name: ClassVar[str] = ""
     params: ClassVar[Tuple[Param, ...]] = ()
     requires: ClassVar[Tuple[str, ...]] = ()
     reads: ClassVar[Tuple[str, ...]] = ()
     interval: int = 1
+    needs_rate_rule: ClassVar[Tuple[str, ...]] = ()
+    reads_schedule: ClassVar[bool] = False
 
     def before_train(self, snap: MetricsSnapshot) -> Optional[Decision]:
         return None

@@ -18,6 +18,13 @@ The decision, every ``interval`` steps after ``warmup`` steps and both cooldowns
   for a gain of more than 5%; a batch change also restarts the rate's ramp); the batch never
   shrinks.
 
+Under a decaying learning-rate schedule the raw noise scale rises because the rate falls (the
+weights settle where the true gradient is small), not because a larger batch would help: on
+the character-level LM it rose 15x in a cosine's tail. The decision reads it at the
+schedule's peak rate, B_noise x (rate / peak rate)^``temperature-power`` (the user's scheduler's
+rate, ``MetricsSnapshot.schedule_lr``; 0.5 brings the cosine's tail back to the constant
+rate's level there), so the tail grows nothing.
+
 Cooldowns count samples (``cooldown-samples``) as well as steps: the monitor's memory is in
 samples, so after a change the estimate has seen new data only after so many samples, at any
 batch."""
@@ -31,7 +38,8 @@ from typing import Any, Dict, Optional
 from hpcadapt.base.errors import ConfigurationError
 
 from .base import Decision, MetricsSnapshot, Param, Policy
-from .params import float_above, non_negative_int, positive_float, positive_int
+from .params import (float_above, non_negative_float, non_negative_int, positive_float,
+                     positive_int)
 
 __all__ = ["GNSBatchSize"]
 
@@ -63,6 +71,9 @@ class GNSBatchSize(Policy):
               "samples to wait after any batch change"),
         Param("interval", positive_int, 1, "monitor the noise scale and decide every N steps"),
         Param("warmup", non_negative_int, 20, "steps before the first decision"),
+        Param("temperature-power", non_negative_float, 0.5,
+              "read the noise scale at the schedule's peak rate: x (rate / peak)^POWER "
+              "(0: the raw noise scale)"),
     )
     requires = ("gns",)
     reads = ("noise_scale", "batch_size", "grad_sq", "trace_sigma")
@@ -70,7 +81,7 @@ class GNSBatchSize(Policy):
     def __init__(self, *, min: int = 16, max: int = 1024, factor: float = 4.0,
                  min_growth: float = 1.25, fraction: float = 1.0, confidence: float = 0.8,
                  cooldown: int = 0, cooldown_samples: int = 2048, interval: int = 1,
-                 warmup: int = 20):
+                 warmup: int = 20, temperature_power: float = 0.5):
         if min > max:
             raise ConfigurationError(
                 f"--gns-batch-min ({min}) must not exceed --gns-batch-max ({max})")
@@ -85,6 +96,8 @@ class GNSBatchSize(Policy):
         self.z = NormalDist().inv_cdf(confidence)
         self.cooldown, self.cooldown_samples = cooldown, cooldown_samples
         self.interval, self.warmup = interval, warmup
+        self.power = temperature_power
+        self.peak_rate = 0.0   # the user's scheduler's highest rate so far
         self.last_change = -10**9
         self.last_change_samples = -10**18
 
@@ -92,14 +105,24 @@ class GNSBatchSize(Policy):
         """The noise scale at the one-sided lower bound: the estimate itself where the
         snapshot carries no band (NaN), 0 while its error cannot be told (an infinite band)."""
         lo, hi = snap.noise_scale_lo, snap.noise_scale_hi
+        at_peak = snap.noise_scale * self.schedule_factor(snap) ** self.power
         if math.isnan(lo) or math.isnan(hi):
-            return snap.noise_scale
+            return at_peak
         if not (lo > 0 and math.isfinite(hi)):
             return 0.0
         sigma = math.log(hi / lo) / (2 * _BAND_Z)
-        return snap.noise_scale * math.exp(-self.z * sigma)
+        return at_peak * math.exp(-self.z * sigma)
+
+    def schedule_factor(self, snap: MetricsSnapshot) -> float:
+        """The user's scheduler's rate now over its peak so far (1 where it is not known)."""
+        rate = snap.schedule_lr
+        if not (rate > 0) or not math.isfinite(rate):
+            return 1.0
+        self.peak_rate = max(self.peak_rate, rate)
+        return rate / self.peak_rate
 
     def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
+        self.schedule_factor(snap)   # the peak is followed at every step, deciding or not
         if snap.step < self.warmup or snap.step - self.last_change < self.cooldown \
                 or snap.samples_seen - self.last_change_samples < self.cooldown_samples:
             return None
@@ -116,8 +139,8 @@ class GNSBatchSize(Policy):
         if new <= batch or (new < batch * self.min_growth and new < self.max):
             return None
         return self.decision(
-            f"noise scale {snap.noise_scale:.1f} (lower bound {bound:.1f}) supports batch "
-            f"{new} over {batch}", snap, batch_size=new)
+            f"noise scale {snap.noise_scale:.1f} (at the peak rate, lower bound {bound:.1f}) "
+            f"supports batch {new} over {batch}", snap, batch_size=new)
 
     def on_decision(self, decision: Decision, snap: MetricsSnapshot) -> None:
         if decision.batch_size is not None:
@@ -126,8 +149,9 @@ class GNSBatchSize(Policy):
 
     def state_dict(self) -> Dict[str, Any]:
         return {"last_change": self.last_change,
-                "last_change_samples": self.last_change_samples}
+                "last_change_samples": self.last_change_samples, "peak_rate": self.peak_rate}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.last_change = int(state["last_change"])
         self.last_change_samples = int(state.get("last_change_samples", -10**18))
+        self.peak_rate = float(state.get("peak_rate", 0.0))

@@ -39,6 +39,16 @@ def positive_float(text: str) -> float:
     return v
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number >= 0, got {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
 def float_above(bound: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
         v = positive_float(text)

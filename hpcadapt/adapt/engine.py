@@ -41,6 +41,13 @@ class PolicyEngine:
                                      f"got {resize_batch!r}")
         self.policies = list(policies)
         self.lr_rule = lr_rule or LRRule("none", 0)
+        for p in self.policies:
+            if p.needs_rate_rule and self.lr_rule.rule not in p.needs_rate_rule:
+                raise ConfigurationError(
+                    f"--policy {p.name} needs --lr-rule {' or '.join(p.needs_rate_rule)} "
+                    f"(linear for SGD, sqrt for Adam/AdamW): its batch changes stand in for "
+                    f"rate changes only when the rule scales the rate with them; got "
+                    f"--lr-rule {self.lr_rule.rule}")
         self.resize_batch = resize_batch
         self._warned: set = set()
 

@@ -8,10 +8,8 @@ global batch B = n*b, |g_i|^2 the local and |g|^2 the averaged gradient's square
     tr(S)  ~ B (mean_i |g_i|^2 - |g|^2) / (n - 1)         (tr of the per-sample covariance)
     B_noise = EMA(tr S) / EMA(|G|^2)
 
-With one replica there is no second gradient of the same step, so the two most recent steps
-stand in for two replicas of batch B (their parameters differ by one small update):
-
-    |G|^2 ~ g_t . g_{t-1}        tr(S) ~ (B / 2) |g_t - g_{t-1}|^2
+With one replica the step's batch is trained as two accumulation passes, and the passes are
+the replicas (``SplitStep``): the same formulas with n = passes and each pass's share.
 
 Gradient variance is the spread of the replicas' gradients around their mean,
 mean_i |g_i - g|^2 = mean_i |g_i|^2 - |g|^2 (an identity, so it costs nothing beyond the
@@ -21,7 +19,7 @@ noise scale), and the signal-to-noise ratio of the global gradient is |G|^2 / (t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:  # torch loads with the training, not with the flags (see hpcadapt.args)
     import torch
@@ -31,7 +29,7 @@ from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.noise_scale import GradientNoiseScale, NoiseEstimate, estimate_from_replicas
 
 __all__ = ["MonitorConfig", "GradientNoiseScale", "NoiseEstimate", "estimate_from_replicas",
-           "estimate_from_consecutive", "PreviousGradient", "MONITORS"]
+           "SplitStep", "MONITORS"]
 
 MONITORS = ("gns", "variance")
 
@@ -63,43 +61,72 @@ class MonitorConfig:
         return bool(self.monitors)
 
 
-def estimate_from_consecutive(g_now: Sequence["torch.Tensor"], g_prev: Sequence["torch.Tensor"],
-                              batch_now: int, batch_prev: int) -> NoiseEstimate:
-    """The one-replica estimator from two consecutive steps' gradients (independent batches
-    of ``batch_now`` and ``batch_prev`` samples at nearly the same weights): E[g_t . g_{t-1}]
-    = |G|^2 and E|g_t - g_{t-1}|^2 = tr(S) (1/B_t + 1/B_{t-1}), unbiased also when the batch
-    size changed between the two (the short last batch of an epoch, a policy's change)."""
-    import torch
-
-    dot = sum(float(torch.dot(a, b)) for a, b in zip(g_now, g_prev))
-    diff_sq = sum(float(torch.sum((a - b) ** 2)) for a, b in zip(g_now, g_prev))
-    trace = diff_sq / (1.0 / batch_now + 1.0 / batch_prev)
-    return NoiseEstimate(dot, trace, trace / batch_now)
-
-
-class PreviousGradient:
-    """One replica has no second gradient of the same step: the last step's gradient stands
-    in for it (``estimate_from_consecutive``). Kept only when the next step is monitored,
-    forgotten whenever the next step's gradient would not be comparable (a skipped or
-    overflowed update, a resize, a second replica)."""
+class SplitStep:
+    """One replica's noise scale from inside the step. At world size 1 the step's batch is
+    trained as two (or more) accumulation passes (``StepRunner.micro_cap``); each pass's
+    gradient is the difference of the accumulated gradient before and after it, so the passes
+    are the replicas of the data-parallel estimator, on the same weights (comparing two
+    consecutive steps instead counts the gradient's drift between them as noise: measured
+    1.8-8x high). The squared norms stay on the device until the step's end: one transfer
+    per monitored step."""
 
     def __init__(self) -> None:
-        self._grads: Optional[List["torch.Tensor"]] = None
-        self._batch = 0   # the global batch the kept gradient was computed on
+        self._prev: Optional[List["torch.Tensor"]] = None  # the accumulation after the last pass
+        self._weighted: Optional["torch.Tensor"] = None    # sum_j |w_j g_j|^2 / w_j so far
+        self.parts = 0
 
-    def keep(self, grads: Sequence["torch.Tensor"], batch: int) -> None:
-        if self._grads is None or len(self._grads) != len(grads):
-            self._grads = [g.clone() for g in grads]
+    def reset(self) -> None:
+        """A new step: nothing accumulated (the buffers are kept for the next one)."""
+        self._weighted = None
+        self.parts = 0
+
+    def _pass_sq(self, grads: Sequence["torch.Tensor"]) -> "torch.Tensor":
+        """|this pass's gradient contribution|^2, and remember the accumulation."""
+        import torch
+
+        if self.parts == 0:
+            sq = _sum_sq(grads)
         else:
-            for dst, src in zip(self._grads, grads):
-                dst.copy_(src)
-        self._batch = batch
+            sq = _sum_sq(torch._foreach_sub(list(grads), self._prev))
+        if self._prev is None or len(self._prev) != len(grads) or any(
+                a.shape != b.shape or a.device != b.device for a, b in zip(self._prev, grads)):
+            self._prev = [g.detach().clone() for g in grads]
+        else:
+            torch._foreach_copy_(self._prev, list(grads))
+        return sq
 
-    def forget(self) -> None:
-        self._grads = None
+    def add(self, grads: Sequence["torch.Tensor"], share: float) -> None:
+        """After a pass that is not the step's last: ``grads`` hold the accumulated gradient
+        (sum_j w_j g_j over the passes so far), ``share`` = w_i, the pass's samples / the
+        step's."""
+        sq = self._pass_sq(grads) / share
+        self._weighted = sq if self._weighted is None else self._weighted + sq
+        self.parts += 1
 
-    def estimate(self, grads: Sequence["torch.Tensor"], batch: int) -> Optional[NoiseEstimate]:
-        """The estimate from this step's gradient and the kept one (None: none kept)."""
-        if self._grads is None:
-            return None
-        return estimate_from_consecutive(grads, self._grads, batch, self._batch)
+    def finish(self, grads: Sequence["torch.Tensor"], share: float) -> Tuple[float, float, int]:
+        """After the last pass (``grads``: the step's gradient g = sum_i w_i g_i):
+        (sum_i w_i |g_i|^2, |g|^2, passes), ready for ``estimate_from_replicas``; passes < 2
+        (a batch of one sample, a short last batch): no estimate this step."""
+        if self.parts == 0:
+            return float("nan"), float("nan"), 1
+        last = self._pass_sq(grads) / share
+        weighted, global_sq = _to_host(self._weighted + last, _sum_sq(grads))
+        self.parts += 1
+        parts, self._weighted = self.parts, None
+        return weighted, global_sq, parts
+
+
+def _sum_sq(tensors: Sequence["torch.Tensor"]) -> "torch.Tensor":
+    """sum of squared norms, on the tensors' device, in float64."""
+    import torch
+
+    norms = torch._foreach_norm(list(tensors))
+    return torch.stack([n.double() for n in norms]).square().sum()
+
+
+def _to_host(a: "torch.Tensor", b: "torch.Tensor") -> Tuple[float, float]:
+    """Two device scalars to the host in one transfer."""
+    import torch
+
+    out = torch.stack((a, b)).cpu().tolist()
+    return float(out[0]), float(out[1])

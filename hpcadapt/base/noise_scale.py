@@ -26,6 +26,9 @@ __all__ = ["NoiseEstimate", "GradientNoiseScale", "estimate_from_replicas", "MIN
 # so a window shorter than this many batches grows with the batch.
 MIN_WINDOW_STEPS = 16
 
+# A band wider than e^50 either way is no band: (0, inf), as before the error is known.
+_MAX_LOG_BAND = 50.0
+
 
 @dataclass(frozen=True)
 class NoiseEstimate:
@@ -154,8 +157,8 @@ class GradientNoiseScale:
         if not math.isfinite(b):
             return float("nan"), float("nan")
         rel = self.relative_error
-        if not math.isfinite(rel):
-            return 0.0, math.inf
+        if not math.isfinite(rel) or z * rel > _MAX_LOG_BAND:
+            return 0.0, math.inf   # an error that large says nothing (and exp would overflow)
         return b * math.exp(-z * rel), b * math.exp(z * rel)
 
     def snr(self, global_batch: int) -> float:

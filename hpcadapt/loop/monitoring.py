@@ -21,7 +21,8 @@ import torch
 
 from hpcadapt.base.metrics import StepRecord
 from hpcadapt.comm.collectives import ReduceOp, communicator
-from hpcadapt.adapt.monitors import MonitorConfig, PreviousGradient, estimate_from_replicas
+from hpcadapt.adapt.monitors import MonitorConfig, SplitStep, estimate_from_replicas
+from hpcadapt.parallel.optimizer import GradientStats
 
 __all__ = ["Monitoring"]
 
@@ -34,7 +35,7 @@ class Monitoring:
 
     def __init__(self, job):
         self.job = job
-        self.previous_gradient = PreviousGradient()  # one replica's noise-scale estimate
+        self.split = SplitStep()  # one replica's noise-scale estimate, from inside the step
         self.config: Optional[MonitorConfig] = None   # set by configure (job.setup)
 
     def configure(self) -> None:
@@ -76,6 +77,23 @@ class Monitoring:
             h.update(raw.numpy().tobytes())
         return h.hexdigest()
 
+    def split_is_on(self) -> bool:
+        """Whether one replica trains each step as two passes for the noise scale."""
+        return self.job.world.size == 1 and self.config is not None and self.config.enabled
+
+    def pass_done(self, share: float) -> None:
+        """A monitored step's pass (not the last) at world size 1 is done."""
+        self.split.add(self._gradients(), share)
+
+    def split_stats(self, stats: GradientStats, share: float) -> GradientStats:
+        """At world size 1, the monitored step's statistics from its passes."""
+        weighted, global_sq, _ = self.split.finish(self._gradients(), share)
+        return GradientStats(weighted, global_sq, stats.extras)
+
+    def _gradients(self):
+        return [p.grad if p.grad is not None else torch.zeros_like(p)
+                for p in self.job.model.parameters() if p.requires_grad]
+
     def update(self, stats, global_count: int) -> None:
         """The step's gradient statistics into the noise-scale monitor."""
         job = self.job
@@ -84,27 +102,15 @@ class Monitoring:
             replicas = int(np.count_nonzero(job.steps.last_times.samples)) \
                 if job.steps.last_times \
                 is not None else job.world.size
-            if replicas < 2:
-                return
-            est = estimate_from_replicas(stats.local_sqnorm_mean, stats.global_sqnorm,
-                                         replicas, global_count)
         else:
-            est = self.previous_gradient.estimate(job.optimizer.flat_gradients(), global_count)
-            if est is None:
-                return  # the step before was not kept (a resize, a skipped step)
+            replicas = self.split.parts   # the step's passes (1: too few samples to split)
+        if replicas < 2:
+            return
+        est = estimate_from_replicas(stats.local_sqnorm_mean, stats.global_sqnorm,
+                                     replicas, global_count)
         if not job.state.gns.update(est, global_count):
             log.warning("step %d: non-finite gradient statistics skipped (|G|^2=%s, trS=%s)",
                         job.state.step, est.grad_sq, est.trace_sigma)
-
-    def keep_previous_gradients(self, global_count: int) -> None:
-        """At world size 1 the next monitored step needs this step's gradient."""
-        job = self.job
-        st = job.state
-        if job.world.size == 1 and self.config.enabled and \
-                (st.step + 2) % self.config.interval == 0:
-            self.previous_gradient.keep(job.optimizer.flat_gradients(), global_count)
-        elif job.world.size > 1:
-            self.previous_gradient.forget()
 
     def _step_monitors(self) -> Dict[str, Any]:
         job = self.job
@@ -155,6 +161,7 @@ class Monitoring:
             grad_variance=st.gns.trace_sigma / h.batch_size,
             grad_snr=st.gns.snr(h.batch_size), noise_scale_lo=lo, noise_scale_hi=hi,
             samples_seen=job.samples_seen,
+            schedule_lr=float(job.optimizer.optimizer.param_groups[0]["lr"]),
             step_time=tuple(t.step_time.tolist()) if t else (),
             compute_time=tuple(t.compute_time.tolist()) if t else (),
             wait_time=tuple(t.wait_time.tolist()) if t else (),

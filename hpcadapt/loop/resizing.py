@@ -483,7 +483,6 @@ class MembershipChanges:
                 log.error("replicas differ after the resize to %d workers", self.world.size)
             self.identical_after_resize = identical
         self.job.steps.resized()
-        self.job.monitoring.previous_gradient.forget()
         now = time.perf_counter()
         outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
                           decision_to_first_step_s=now - decided_at)

@@ -5,7 +5,7 @@ stop together. Functions of what they are given (the options, the world), no job
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -15,7 +15,8 @@ from hpcadapt.base.options import JobOptions
 from hpcadapt.base.paths import unwritable
 from hpcadapt.comm.tell import root_tells
 
-__all__ = ["choose_device", "data_plane", "agree", "check_output_folders", "say_once"]
+__all__ = ["choose_device", "data_plane", "agree", "check_output_folders", "say_once",
+           "schedule_for_policies"]
 
 log = logging.getLogger("hpcadapt.job")
 
@@ -82,3 +83,30 @@ def say_once(world, message: str, *args: Any) -> None:
     """A warning every rank reaches alike, printed by rank 0."""
     if world.rank == 0:
         log.warning(message, *args)
+
+
+def schedule_for_policies(extra: Mapping[str, Any], policies: Sequence[Any], world) -> None:
+    """A policy that follows the user's scheduler (``reads_schedule``: decay-growth) needs one
+    keyed on samples: a step-keyed scheduler is refused (the batch growth would stretch its
+    decay), and a run without a registered scheduler is told that there is nothing to follow.
+    Raises ConfigurationError saying what to pass."""
+    from hpcadapt.loop.progress import ProgressLR
+
+    readers = [p.name for p in policies if getattr(p, "reads_schedule", False)]
+    if not readers:
+        return
+    schedulers = [(k, v) for k, v in extra.items()
+                  if isinstance(v, ProgressLR) or (hasattr(v, "get_last_lr")
+                                                   and hasattr(v, "step"))]
+    for key, sched in schedulers:
+        if not isinstance(sched, ProgressLR):
+            raise ConfigurationError(
+                f"--policy {readers[0]} follows your learning-rate scheduler "
+                f"(extra[{key!r}], {type(sched).__name__}), which counts steps: the batch it "
+                f"grows would stretch the decay; wrap it as hpcadapt.ProgressLR(scheduler, "
+                f"job) and step that after each job.step (see docs/guides/own-script.md)")
+    if not schedulers:
+        say_once(world, "--policy %s found no learning-rate scheduler in job.setup(extra=...): "
+                 "it turns the schedule's decay into batch growth, and a constant rate has "
+                 "none; register your hpcadapt.ProgressLR as extra={'scheduler': ...} (or "
+                 "pass --lr-schedule cosine to hpcadapt.train)", readers[0])

@@ -182,11 +182,11 @@ class StepRunner:
         self._t_start = time.perf_counter()
         self.job.adaptation.follow_ramp()
         part = st.sampler.peek(st.hyper.batch_size, world.rank, world.size)
-        micro = split_micro(part.indices, o.steps.max_local_batch)
+        cap = self.micro_cap()
+        micro = split_micro(part.indices, cap)
         # before a loader restart (its workers' seeds) and forward (buffers) use the RNG
         self.keep_in_flight(len(micro))
-        key = WalkKey(st.epoch, st.hyper.batch_size, world.rank, world.size,
-                      o.steps.max_local_batch)
+        key = WalkKey(st.epoch, st.hyper.batch_size, world.rank, world.size, cap)
         if key != self._walk or self._walk_cursor != st.sampler.cursor:
             job.loader.restart(key, st.sampler.cursor)
             self._walk = key
@@ -196,6 +196,7 @@ class StepRunner:
         cfg = job.monitoring.config
         self.monitored = cfg.enabled and (st.step + 1) % cfg.interval == 0
         opt.track_grad_norms = self.monitored and world.size > 1
+        job.monitoring.split.reset()
         opt.set_local_weight(part.weight)
         opt.set_extra_slots(self.control_layout().length)
         opt.zero_grad()
@@ -212,6 +213,18 @@ class StepRunner:
                                  size=world.size, version=world.cluster_version,
                                  indices=part.indices)
         return part, micro
+
+    def micro_cap(self) -> Optional[int]:
+        """The most samples in one micro-batch: ``--max-local-batch``, and at world size 1
+        with a gradient monitor on, half the batch: the two accumulation passes are the two
+        replicas of the noise-scale estimator (``hpcadapt.adapt.monitors.SplitStep``). Every
+        step is split then, monitored or not, so that the loader's walk stays one walk."""
+        job = self.job
+        cap = job.options.steps.max_local_batch
+        if job.monitoring.split_is_on():
+            half = -(-job.state.hyper.batch_size // 2)
+            cap = half if cap is None else min(cap, half)
+        return cap
 
     def open_step(self, send: Optional[Callable[[Optional[float], float], None]] = None
                   ) -> None:
@@ -276,6 +289,8 @@ class StepRunner:
         else:
             with job.optimizer.no_sync():
                 scaled.backward()
+            if self.monitored and job.world.size == 1:
+                job.monitoring.pass_done(self._micro_share)
         self.micro_left -= 1
         return self._finish_step(clip_grad_norm, scaler) if last else \
             StepOutcome(committed=False)
@@ -306,17 +321,17 @@ class StepRunner:
         self._record_settings()
         if finite:
             self.nonfinite_run = 0
+            if self.monitored and world.size == 1:
+                stats = job.monitoring.split_stats(stats, self._micro_share)
             if scaler is not None:
                 scale = float(scaler.get_scale())
                 scaler.unscale_(inner)  # the averaged gradients, identical on every rank
                 stats = GradientStats(stats.local_sqnorm_mean / scale ** 2,
                                       stats.global_sqnorm / scale ** 2, stats.extras)
-                if self.monitored and world.size == 1:
-                    grads_finite = all(bool(torch.isfinite(g).all())
-                                       for g in job.optimizer.flat_gradients())
+            if self.monitored and world.size == 1:
+                grads_finite = math.isfinite(stats.global_sqnorm)
             if self.monitored and grads_finite:
                 job.monitoring.update(stats, self.part.global_count)
-            job.monitoring.keep_previous_gradients(self.part.global_count)
             if clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
             with rates_scaled(inner, st.rate_factor()):
@@ -326,12 +341,8 @@ class StepRunner:
                     scaler.step(inner)
             if scaler is not None:
                 scaler.update()
-                if float(scaler.get_scale()) < scale:
-                    # an overflow: nothing to compare with
-                    job.monitoring.previous_gradient.forget()
         else:
             self.nonfinite_run += 1
-            job.monitoring.previous_gradient.forget()
             if world.rank == 0:
                 log.warning("step %d: the loss or gradient is not finite (loss %s); the update "
                             "is skipped (%d in a row)", st.step, self.last_loss,

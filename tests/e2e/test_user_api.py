@@ -209,6 +209,10 @@ def test_an_exception_before_the_world_names_the_mpi_rank(tmp_path):
      "--metrics-file /proc/hpcadapt-no/m.jsonl: cannot write in /proc/hpcadapt-no"),
     ("ok", ["--summary-json", "/proc/hpcadapt-no/s.json"],
      "--summary-json /proc/hpcadapt-no/s.json: cannot write in /proc/hpcadapt-no"),
+    ("step-scheduler", ["--policy", "decay-growth", "--lr-rule", "linear"],
+     "which counts steps: the batch it grows would stretch the decay; wrap it as "
+     "hpcadapt.ProgressLR(scheduler, job)"),
+    ("ok", ["--policy", "decay-growth"], "--policy decay-growth needs --lr-rule linear or sqrt"),
 ])
 def test_bad_input_is_one_clear_line_and_no_hang(case, flags, message):
     proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", case] + flags, check=False,

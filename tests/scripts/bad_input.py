@@ -24,6 +24,8 @@ data = TensorDataset(torch.randn(64, width), torch.randint(0, 2, (64,)))
 batch = 1 if args.case == "small-batch" else 16
 loader = hpcadapt.ElasticDataLoader(data, batch_size=batch)
 extra = {"lock": threading.Lock()} if args.case == "unserialisable" else {"n": 0}
+if args.case == "step-scheduler":   # counts steps: refused by a schedule-reading policy
+    extra = {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)}
 job.setup(model, opt, loader, extra=extra)
 for epoch in job.epochs(2):
     for x, y in loader:

@@ -18,6 +18,8 @@ D, SIGMA, N = 20, 2.0, 32000
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--epochs", type=int, default=4)
+parser.add_argument("--sgd-lr", type=float, default=1e-12,
+                    help="the weights stay put at the default; larger: a training path")
 hpcadapt.add_arguments(parser)
 args = parser.parse_args()
 job = hpcadapt.Job(args)
@@ -29,7 +31,7 @@ y = x @ w_star + SIGMA * torch.randn(N, generator=g, dtype=torch.float64)
 model = torch.nn.Linear(D, 1, bias=False).double()
 with torch.no_grad():
     model.weight.copy_((w_star + delta)[None])
-opt = torch.optim.SGD(model.parameters(), lr=1e-12)
+opt = torch.optim.SGD(model.parameters(), lr=args.sgd_lr)
 loader = hpcadapt.ElasticDataLoader(TensorDataset(x, y), batch_size=args.batch_size)
 job.setup(model, opt, loader)
 for epoch in job.epochs(args.epochs):

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Measured 2026-11-27: 41 attributes of the Job written from more than one file (most are
 # set in Job.__init__ and written again by one mixin; _in_flight, _step_open and _prev_grads
 # by four files). Repaid since: sink, _epoch_logged, _epoch_samples (loop/recording.py),
-# _prev_grads, _prev_count (adapt/monitors.PreviousGradient); the step in flight, its
+# _prev_grads, _prev_count (now adapt/monitors.SplitStep); the step in flight, its
 # timings, control values and micro-batch counters, 23 of them (loop/steps.StepRunner,
 # loop/rounds.BoundedDelayRounds); _restart and joining, once the recovery became a
 # collaborator that returns what it did (loop/failures.FailureRecovery); _queued_hooks and

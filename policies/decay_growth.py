@@ -1,0 +1,117 @@
+"""``decay-growth``: the learning-rate schedule's decay turned into batch growth, while the batch
+stays below the measured critical batch.
+
+Smith et al. 2018: for SGD, multiplying the batch by k does what dividing the rate by k does,
+in k times fewer steps. Seesaw (arXiv 2510.14717) makes it precise for Adam-style optimizers:
+where a cosine rate halves, double the batch and multiply the rate by 1/sqrt(2) instead. Both
+hold only below the critical batch (McCandlish et al. 2018: the gradient noise scale); beyond
+it a larger batch wastes samples and the loss at a fixed sample budget suffers.
+
+So, at every step, with c = (the user's scheduler's rate now) / (its peak so far):
+
+* the schedule has halved h = floor(log2(1/c)) times since its peak; each halving not yet
+  handled is handled once, in order;
+* a halving becomes a doubling of the batch when the doubled batch is at most ``margin`` x the
+  critical batch and at most ``max``; the rate rule (``--lr-rule linear`` for SGD, ``sqrt``
+  for Adam) then scales the rate by 2 or sqrt(2), which on top of the scheduler's own halving
+  gives Smith's constant rate or Seesaw's 1/sqrt(2). Otherwise the halving stays a rate
+  decay (the scheduler's, untouched), as Seesaw does past its largest batch;
+* the critical batch is the measured noise scale read at the schedule's peak rate:
+  B_noise x c^``temperature-power``. A decaying rate lets the weights settle where the true
+  gradient is small, so the raw noise scale rises as the rate falls (on the character-level LM,
+  batch 32, AdamW: 44, 109, 195, 665 at cosine factors 0.54, 0.16, 0.04, 0 where a constant
+  rate reads 40-65); scaled by sqrt(c) those read 32-44, the constant rate's level;
+* no growth while the noise scale or its band is unknown (NaN, an open band): that halving
+  stays a decay;
+* only the first ``halvings`` halvings may grow the batch: a cosine's later ones come in its
+  last few percent of samples (c = 1/32 at 91% of the budget), where a larger batch saves few
+  steps and the noise scale reads the settling of the weights (measured on MNIST-1D: 3,505 at
+  c = 0.002, against 96 at c = 0.25).
+
+The scheduler must follow samples, not steps (``hpcadapt.ProgressLR``; the entry point's
+``--lr-schedule`` does): a step-keyed one would stretch its decay as the batch grows."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+from hpcadapt.base.errors import ConfigurationError
+
+from .base import Decision, MetricsSnapshot, Param, Policy
+from .params import non_negative_float, positive_float, positive_int
+
+__all__ = ["DecayGrowth"]
+
+
+class DecayGrowth(Policy):
+    name = "decay-growth"
+    params = (
+        Param("max", positive_int, 4096, "largest global batch; later halvings stay rate decay"),
+        Param("margin", positive_float, 1.0,
+              "grow while the doubled batch is at most MARGIN x the critical batch"),
+        Param("halvings", positive_int, 5,
+              "only the schedule's first N halvings may become batch growth"),
+        Param("temperature-power", non_negative_float, 0.5,
+              "the critical batch is the noise scale x (rate / peak rate)^POWER (0: the raw "
+              "noise scale)"),
+    )
+    requires = ("gns",)
+    reads = ("batch_size", "schedule_lr")
+    needs_rate_rule = ("linear", "sqrt")
+    reads_schedule = True
+
+    def __init__(self, *, max: int = 4096, margin: float = 1.0, halvings: int = 5,
+                 temperature_power: float = 0.5):
+        if not margin > 0:
+            raise ConfigurationError(f"--decay-growth-margin must be > 0, got {margin}")
+        if temperature_power < 0:
+            raise ConfigurationError(
+                f"--decay-growth-temperature-power must be >= 0, got {temperature_power}")
+        self.max, self.margin, self.power = max, margin, temperature_power
+        self.halvings = halvings
+        self.peak = 0.0      # the scheduler's highest rate so far
+        self.handled = 0     # halvings of the schedule already turned into growth or kept
+        self.grown = 0       # of those, the ones that became a doubling of the batch
+
+    def critical_batch(self, snap: MetricsSnapshot) -> float:
+        """The noise scale at the schedule's peak rate; NaN while it cannot be told."""
+        b, hi = snap.noise_scale, snap.noise_scale_hi
+        if not (b > 0) or math.isnan(b) or not math.isfinite(hi):
+            return math.nan
+        c = snap.schedule_lr / self.peak if self.peak > 0 else 1.0
+        return b * min(1.0, max(c, 0.0)) ** self.power
+
+    def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
+        rate = snap.schedule_lr
+        if rate > self.peak:
+            self.peak = rate
+        if not self.peak > 0:
+            return None
+        c = rate / self.peak
+        halvings = math.floor(math.log2(1.0 / c) + 1e-9) if c > 0 else 10**6
+        if halvings <= self.handled:
+            return None
+        # One halving per step: the next one is due at the next step (a step apart is enough:
+        # they are thousands of samples apart on any cosine but its very end).
+        self.handled += 1
+        new = snap.batch_size * 2
+        critical = self.critical_batch(snap)
+        if self.handled > self.halvings or new > self.max or not (new <= self.margin * critical):
+            return None
+        return self.decision(
+            f"rate halving {self.handled} (x{c:.3g} of its peak) becomes batch {new}: "
+            f"critical batch {critical:.1f} (noise scale {snap.noise_scale:.1f})", snap,
+            batch_size=new)
+
+    def on_decision(self, decision: Decision, snap: MetricsSnapshot) -> None:
+        if decision.policy == self.name and decision.batch_size is not None:
+            self.grown += 1
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"peak": self.peak, "handled": self.handled, "grown": self.grown}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.peak = float(state["peak"])
+        self.handled = int(state["handled"])
+        self.grown = int(state.get("grown", 0))
