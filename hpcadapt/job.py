@@ -186,7 +186,7 @@ class Job:
         self.monitoring.configure()
         self.state = TrainingState(model, optimizer, loader.sampler, hyper,
                                    GradientNoiseScale(o.monitoring.monitor_ema,
-                                                      o.monitoring.monitor_window),
+                                                      self.monitoring.config.window),
                                    self.extra, self.adaptation.engine)
         self.state.strategy = strategy
         self.state.topology = o.comm.topology

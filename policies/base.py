@@ -145,6 +145,8 @@ class Policy:
     ``requires``: monitors the policy needs (e.g. "gns"), switched on for it.
     ``reads``: snapshot fields that must be finite for the policy to run this step.
     ``needs_rate_rule``: the ``--lr-rule`` values it works with (empty: any).
+    ``monitor_window``: the noise-scale monitor's memory in samples it wants when
+    ``--monitor-window`` is left at 0 (the longest any policy asks for wins).
     ``reads_schedule``: it follows the user's scheduler, which must then be keyed on samples
     (``hpcadapt.ProgressLR``), checked at ``job.setup``."""
 
@@ -155,6 +157,7 @@ class Policy:
     interval: int = 1
     needs_rate_rule: ClassVar[Tuple[str, ...]] = ()
     reads_schedule: ClassVar[bool] = False
+    monitor_window: ClassVar[int] = 0
 
     def before_train(self, snap: MetricsSnapshot) -> Optional[Decision]:
         return None

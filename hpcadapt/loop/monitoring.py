@@ -51,7 +51,11 @@ class Monitoring:
         if engine.lr_rule.rule == "adascale":
             intervals.append(o.monitor_interval)
         interval = functools.reduce(math.gcd, intervals) if intervals else o.monitor_interval
-        self.config = MonitorConfig(tuple(monitors), interval, o.monitor_ema, o.monitor_window)
+        # --monitor-window 0 (the default): the longest memory a policy asks for, else the
+        # one --monitor-ema gives at the first batch
+        window = o.monitor_window or max([int(getattr(p, "monitor_window", 0))
+                                          for p in engine.policies] + [0])
+        self.config = MonitorConfig(tuple(monitors), interval, o.monitor_ema, window)
 
     def replicas_identical(self) -> bool:
         """Whether every rank holds bit-identical parameters and buffers (one small

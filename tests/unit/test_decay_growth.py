@@ -184,3 +184,21 @@ def test_every_policy_reads_extreme_and_non_finite_statistics_without_raising(va
             for hook in ("before_train", "before_epoch", "after_step", "after_epoch"):
                 d = getattr(policy, hook)(s)
                 assert d is None or isinstance(d, Decision), (policy.name, hook, d)
+
+
+def test_the_policy_s_monitor_memory_unless_the_flag_sets_one():
+    """decay-growth decides a halving on one reading: its 4,096-sample memory is the
+    monitor's when --monitor-window is left at 0; the flag wins otherwise."""
+    from hpcadapt.loop.monitoring import Monitoring
+
+    def configured(window_flag):
+        options = types.SimpleNamespace(monitoring=types.SimpleNamespace(
+            monitors=(), monitor_interval=1, monitor_ema=0.1, monitor_window=window_flag))
+        engine = PolicyEngine([DecayGrowth()], LRRule("sqrt", 8))
+        m = Monitoring(types.SimpleNamespace(options=options, adaptation=types.SimpleNamespace(
+            engine=engine)))
+        m.configure()
+        return m.config
+
+    assert configured(0).window == 4096 and configured(0).monitors == ("gns",)
+    assert configured(1000).window == 1000
