@@ -14,15 +14,18 @@ So, at every step, with c = (the user's scheduler's rate now) / (its peak so far
 * a halving becomes a doubling of the batch when the doubled batch is at most ``margin`` x the
   critical batch and at most ``max``; the rate rule (``--lr-rule linear`` for SGD, ``sqrt``
   for Adam) then scales the rate by 2 or sqrt(2), which on top of the scheduler's own halving
-  gives Smith's constant rate or Seesaw's 1/sqrt(2). Otherwise the halving stays a rate
-  decay (the scheduler's, untouched), as Seesaw does past its largest batch;
+  gives Smith's constant rate or Seesaw's 1/sqrt(2). Otherwise that halving and every later
+  one stay rate decay (the scheduler's, untouched), as Seesaw does past its largest batch:
+  the critical batch was reached, and a reading late in the tail, where the weights settle,
+  would grow the batch for the wrong reason (measured on the LM: a reading at c = 0.03 let a
+  margin of 1.5 double 64 to 128 after the halving at c = 1/8 had been refused);
 * the critical batch is the measured noise scale read at the schedule's peak rate:
   B_noise x c^``temperature-power``. A decaying rate lets the weights settle where the true
   gradient is small, so the raw noise scale rises as the rate falls (on the character-level LM,
   batch 32, AdamW: 44, 109, 195, 665 at cosine factors 0.54, 0.16, 0.04, 0 where a constant
   rate reads 40-65); scaled by sqrt(c) those read 32-44, the constant rate's level;
 * no growth while the noise scale or its band is unknown (NaN, an open band): that halving
-  stays a decay;
+  stays a decay, and so do the later ones;
 * only the first ``halvings`` halvings may grow the batch: a cosine's later ones come in its
   last few percent of samples (c = 1/32 at 91% of the budget), where a larger batch saves few
   steps and the noise scale reads the settling of the weights (measured on MNIST-1D: 3,505 at
@@ -76,6 +79,7 @@ class DecayGrowth(Policy):
         self.peak = 0.0      # the scheduler's highest rate so far
         self.handled = 0     # halvings of the schedule already turned into growth or kept
         self.grown = 0       # of those, the ones that became a doubling of the batch
+        self.stopped = False  # a halving stayed a rate decay: so do all later ones
 
     def critical_batch(self, snap: MetricsSnapshot) -> float:
         """The noise scale at the schedule's peak rate; NaN while it cannot be told."""
@@ -98,9 +102,12 @@ class DecayGrowth(Policy):
         # One halving per step: the next one is due at the next step (a step apart is enough:
         # they are thousands of samples apart on any cosine but its very end).
         self.handled += 1
+        if self.stopped:
+            return None
         new = snap.batch_size * 2
         critical = self.critical_batch(snap)
         if self.handled > self.halvings or new > self.max or not (new <= self.margin * critical):
+            self.stopped = True   # beyond the critical batch: the rest of the schedule decays
             return None
         return self.decision(
             f"rate halving {self.handled} (x{c:.3g} of its peak) becomes batch {new}: "
@@ -112,9 +119,11 @@ class DecayGrowth(Policy):
             self.grown += 1
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"peak": self.peak, "handled": self.handled, "grown": self.grown}
+        return {"peak": self.peak, "handled": self.handled, "grown": self.grown,
+                "stopped": self.stopped}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.peak = float(state["peak"])
         self.handled = int(state["handled"])
         self.grown = int(state.get("grown", 0))
+        self.stopped = bool(state.get("stopped", False))

@@ -94,10 +94,21 @@ def test_a_cosine_tail_does_not_grow_the_batch_of_the_lm_under_gns_batch():
 
 def test_decay_growth_on_the_lm_path_stops_at_the_critical_batch():
     """The same path: the critical batch read at the peak rate is 50, so 16 -> 32 and no
-    further at margin 1 (the raw tail, 665, would have allowed 256 and more)."""
-    assert [b for _, b in replay(DecayGrowth(), _lm_cosine_tail)] == [32]
+    further at margin 1 (read raw, the rising tail would have allowed 128)."""
+    p = DecayGrowth()
+    assert [b for _, b in replay(p, _lm_cosine_tail)] == [32]
+    assert p.stopped
     raw = [b for _, b in replay(DecayGrowth(temperature_power=0.0), _lm_cosine_tail)]
-    assert raw[-1] >= 256
+    assert raw == [32, 64, 128]
+
+
+def test_once_a_halving_stays_a_decay_so_do_the_later_ones():
+    """The noise scale read late in the tail can rise past what was refused before (the
+    weights settle): a refused halving ends the growth."""
+    dipping = lambda s, c: 40.0 if c > 0.2 else 1000.0   # noqa: E731
+    p = DecayGrowth(temperature_power=0.0)
+    assert [b for _, b in replay(p, dipping)] == [32]     # 64 > 40 at c = 1/4: stop
+    assert p.stopped and p.grown == 1
 
 
 def test_no_growth_while_the_noise_scale_is_unknown():
