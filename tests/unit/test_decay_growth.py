@@ -67,7 +67,7 @@ def test_the_margin_and_the_largest_batch_bound_the_growth():
     assert [b for _, b in replay(DecayGrowth(margin=100.0, max=64),
                                  _critical_100)] == [32, 64]
     # read raw (power 0), a constant noise scale of 100 is the same bound
-    assert [b for _, b in replay(DecayGrowth(temperature_power=0.0),
+    assert [b for _, b in replay(DecayGrowth(margin=1.0, temperature_power=0.0),
                                  lambda s, c: 100.0)] == [32, 64]
 
 
@@ -93,20 +93,21 @@ def test_a_cosine_tail_does_not_grow_the_batch_of_the_lm_under_gns_batch():
 
 
 def test_decay_growth_on_the_lm_path_stops_at_the_critical_batch():
-    """The same path: the critical batch read at the peak rate is 50, so 16 -> 32 and no
-    further at margin 1 (read raw, the rising tail would have allowed 128)."""
+    """The same path: the critical batch read at the peak rate is 50, so 16 -> 32 -> 64 and
+    no further at margin 1.5 (read raw, the rising tail would have allowed 256)."""
     p = DecayGrowth()
-    assert [b for _, b in replay(p, _lm_cosine_tail)] == [32]
+    assert [b for _, b in replay(p, _lm_cosine_tail)] == [32, 64]
     assert p.stopped
+    assert [b for _, b in replay(DecayGrowth(margin=1.0), _lm_cosine_tail)] == [32]
     raw = [b for _, b in replay(DecayGrowth(temperature_power=0.0), _lm_cosine_tail)]
-    assert raw == [32, 64, 128]
+    assert raw == [32, 64, 128, 256]
 
 
 def test_once_a_halving_stays_a_decay_so_do_the_later_ones():
     """The noise scale read late in the tail can rise past what was refused before (the
     weights settle): a refused halving ends the growth."""
     dipping = lambda s, c: 40.0 if c > 0.2 else 1000.0   # noqa: E731
-    p = DecayGrowth(temperature_power=0.0)
+    p = DecayGrowth(margin=1.0, temperature_power=0.0)
     assert [b for _, b in replay(p, dipping)] == [32]     # 64 > 40 at c = 1/4: stop
     assert p.stopped and p.grown == 1
 
