@@ -43,8 +43,8 @@ def _blocks(text: str) -> List[str]:
 
 
 SECTION = _section("Your own training script")
-SCRIPT = next(b for b in _blocks(SECTION) if b.startswith("# file: "))
-SCRIPT_NAME = SCRIPT.splitlines()[0].split()[-1]
+SCRIPTS = {b.splitlines()[0].split()[-1]: b for b in _blocks(SECTION) if b.startswith("# file: ")}
+SCRIPT_NAME, SCRIPT = next(iter(SCRIPTS.items()))
 COMMANDS = [line for b in _blocks(SECTION) if not b.startswith("# file: ")
             for line in b.splitlines() if line.startswith(("mpiexec ", "python "))]
 
@@ -72,7 +72,8 @@ def _summary(stdout: str) -> dict:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("readme")
-    (d / SCRIPT_NAME).write_text(SCRIPT, encoding="utf-8")
+    for name, text in SCRIPTS.items():
+        (d / name).write_text(text, encoding="utf-8")
     return d
 
 
@@ -83,9 +84,23 @@ def _run(argv: List[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_the_readme_names_its_script_and_every_command_uses_it():
-    assert SCRIPT_NAME == "train_mine.py"
-    assert len(COMMANDS) >= 5
-    assert all(SCRIPT_NAME in c or c.startswith("python -m hpcadapt.plot") for c in COMMANDS)
+    assert SCRIPT_NAME == "train_mine.py" and "train_growth.py" in SCRIPTS
+    assert len(COMMANDS) >= 6
+    assert all(any(name in c for name in SCRIPTS) or c.startswith("python -m hpcadapt.plot")
+               for c in COMMANDS)
+
+
+@pytest.mark.slow
+def test_growth_instead_of_decay(folder):
+    """The guide's growth script and command: the cosine's halvings become doublings of the
+    batch, each a decision of decay-growth, and it trains to the end."""
+    proc = _run(_command("train_growth.py"), folder)
+    s = _summary(proc.stdout)
+    assert s["epochs"] == 10 and s["stopped"] is None and s["final_test_accuracy"] > 0.3
+    rows = [json.loads(l) for l in (folder / "growth.jsonl").read_text().splitlines()]
+    grew = [r for r in rows if r["event"] == "decision" and r["policy"] == "decay-growth"]
+    assert grew and all("rate halving" in r["reason"] for r in grew)
+    assert s["batch_size"] == 16 * 2 ** len(grew)
 
 
 @pytest.mark.slow
