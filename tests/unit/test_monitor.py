@@ -10,7 +10,6 @@ import math
 import numpy as np
 import pytest
 
-from conftest import FULL
 import torch
 
 from hpcadapt import ConfigurationError
@@ -181,8 +180,7 @@ def test_bad_monitor_config(kwargs, match):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks,batch", [(1, 256), (2, 256),
-                                         pytest.param(4, 250, marks=pytest.mark.skipif(not FULL, reason="make test-long"))])
+@pytest.mark.parametrize("ranks,batch", [(1, 256), (2, 256), (4, 250)])
 def test_the_job_measures_the_closed_form_through_its_data_path(tmp_path, ranks, batch):
     """The whole path (gradient hooks, buckets, the control reduction, the pairing of g_t
     with g_t-1 at one rank) at 1, 2 and 4 ranks, unequal shares at 4 (250 = 63+63+62+62),
