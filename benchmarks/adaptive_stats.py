@@ -5,7 +5,7 @@
   modelled seconds, wall seconds); None when it never does (censored).
 * ``paired_ratio``: per-seed log-ratios of two methods' values, their geometric mean and
   95% t-interval, and the win flag (upper bound below 1), with censored pairs handled as
-  written there.
+  written there (pairs where neither run reached the target are left out and counted).
 * ``paired_delta``: mean difference with a 95% t-interval (final losses).
 * ``loss_at`` / ``final_loss_at_equal_samples``: the loss at a sample count, interpolated.
 * ``fit_cost_model`` / ``cumulative_cost``: per-step cost c0 + c1 * batch, fitted by least
@@ -100,7 +100,7 @@ def paired_ratio(adaptive: Sequence[Value], baseline: Sequence[Value]) -> dict:
     """Per-seed ratios adaptive / baseline (lists in seed order, each ``(value, end)``:
     value None when the run never reached the target, ``end`` the run's last value on that
     axis, its total steps, samples or seconds). Geometric mean and its 95% t-interval over
-    the per-seed log-ratios.
+    the per-seed log-ratios of the informative pairs.
 
     Censored pairs (the target not reached within the budget), handled explicitly and
     conservatively for the adaptive method:
@@ -111,24 +111,24 @@ def paired_ratio(adaptive: Sequence[Value], baseline: Sequence[Value]) -> dict:
     * adaptive censored, baseline reached: the adaptive value is replaced by its end, so
       the ratio is a lower bound, and NO win can be claimed (``win`` False whatever the
       interval says);
-    * both censored: the pair says nothing about which is faster: log-ratio 0 (ratio 1, which
-      pulls the mean towards "no difference"), and no win can be claimed either.
+    * both censored: the pair says nothing about which is faster, so it is left out: not in
+      ``n``, its log-ratio None, counted in ``both_censored``; no win is claimed while there
+      is one (the adaptive method missed the target on that seed too).
 
-    ``bound`` says how the reported ratio relates to the true one: "exact" (no censoring),
-    "upper" (only baselines censored: the truth is at most this), "lower" (only the adaptive
-    censored: the truth is at least this), "mixed". Raises TooFewSeeds below 2 pairs; returns
-    ratio None when every pair is censored on both sides."""
+    ``bound`` says how the reported ratio relates to the true one: "exact" (no censoring in
+    the pairs used), "upper" (only baselines censored: the truth is at most this), "lower"
+    (only the adaptive censored: the truth is at least this), "mixed". Raises TooFewSeeds
+    below 2 pairs; returns ratio None when no pair is informative, and no interval (ci None,
+    no win) when only one is."""
     if len(adaptive) != len(baseline):
         raise ValueError(f"{len(adaptive)} adaptive values for {len(baseline)} baseline values")
-    n = len(adaptive)
-    if n < 2:
-        raise TooFewSeeds(f"a paired comparison needs at least 2 seeds, got {n}")
-    logs: List[float] = []
-    cens = {"adaptive": 0, "baseline": 0, "both": 0}
+    if len(adaptive) < 2:
+        raise TooFewSeeds(f"a paired comparison needs at least 2 seeds, got {len(adaptive)}")
+    logs: List[Optional[float]] = []
+    cens = {"adaptive": 0, "baseline": 0}
     for (a, a_end), (b, b_end) in zip(adaptive, baseline):
         if a is None and b is None:
-            cens["both"] += 1
-            logs.append(0.0)
+            logs.append(None)
             continue
         if a is None:
             cens["adaptive"] += 1
@@ -137,22 +137,27 @@ def paired_ratio(adaptive: Sequence[Value], baseline: Sequence[Value]) -> dict:
             cens["baseline"] += 1
             b = b_end
         logs.append(math.log(max(a, 1e-12) / max(b, 1e-12)))
-    out = {"n": n, "log_ratios": logs, "censored": cens}
-    if cens["both"] == n:
-        return dict(out, ratio=None, ci_lo=None, ci_hi=None, win=False, bound="none",
-                    note="no run reached the target: nothing to compare")
-    mean, lo, hi = mean_ci(logs)
-    adaptive_missed = cens["adaptive"] + cens["both"]
-    if adaptive_missed and cens["baseline"]:
+    used = [x for x in logs if x is not None]
+    both = len(logs) - len(used)
+    out = {"n": len(used), "log_ratios": logs, "censored": cens, "both_censored": both}
+    if cens["adaptive"] and cens["baseline"]:
         bound = "mixed"
-    elif adaptive_missed:
+    elif cens["adaptive"]:
         bound = "lower"
     elif cens["baseline"]:
         bound = "upper"
     else:
         bound = "exact"
+    if not used:
+        return dict(out, ratio=None, ci_lo=None, ci_hi=None, win=False, bound="none",
+                    note="no run reached the target: nothing to compare")
+    if len(used) == 1:
+        return dict(out, ratio=math.exp(used[0]), ci_lo=None, ci_hi=None, win=False,
+                    bound=bound, note="one informative pair: no interval")
+    mean, lo, hi = mean_ci(used)
     return dict(out, ratio=math.exp(mean), ci_lo=math.exp(lo), ci_hi=math.exp(hi),
-                win=bool(math.exp(hi) < 1.0 and adaptive_missed == 0), bound=bound)
+                win=bool(math.exp(hi) < 1.0 and cens["adaptive"] == 0 and both == 0),
+                bound=bound)
 
 
 def paired_delta(adaptive: Sequence[float], baseline: Sequence[float]) -> dict:
