@@ -29,9 +29,10 @@ BENCHMARKS = {
     "allreduce": ("driver_simple", "allreduce throughput: hpcadapt vs mpi4py vs gloo"),
     "ddp": ("driver_simple", "training throughput: hpcadapt vs torch DDP (gloo)"),
     "monitor-overhead": ("driver_simple", "throughput with gradient monitors on vs off"),
-    "adaptive": ("driver_adaptive", "steps and samples to target val losses, MNIST-1D CNN and "
-                                    "a char-level LM: the adaptive batch policy vs tuned fixed "
-                                    "batches, a doubling ramp and Seesaw, paired over seeds"),
+    "adaptive": ("driver_adaptive", "steps to target val losses and final loss, MNIST-1D CNN "
+                                    "and a char-level LM: growth instead of decay (and gns-batch) "
+                                    "vs tuned fixed batches, a doubling ramp and Seesaw, paired "
+                                    "over seeds; resumable"),
     "resize": ("driver_resize", "pause of grow/shrink vs a torchrun restart"),
     "failure": ("driver_failure", "a killed worker: detection and recovery vs a torchrun restart"),
     "user-api": ("driver_user_api", "training throughput: a user's own script on the public "
