@@ -447,3 +447,37 @@ def test_a_record_of_another_task_budget_or_flags_is_refused(tmp_path):
         with pytest.raises(SystemExit) as stop:
             drv.load_record(name, *args)
         assert what in str(stop.value) and "\n" not in str(stop.value)
+
+
+def test_growth_has_one_set_of_defaults_on_every_task():
+    """Issue 41: no per-task tuning of the policy. The growth flags of the two tasks differ only
+    in what the task is (its starting rate, its grid's largest batch, its optimizer's rule);
+    none of decay-growth's own parameters is set, so the policy's defaults (in the code, read
+    here) are what both tasks run with."""
+    from hpcadapt.policies import DecayGrowth
+
+    per_task = {}
+    for name, task in drv.TASKS.items():
+        flags = drv.method_flags("growth", {"start_batch": 16, "lr": 0.01}, task, 1000)
+        per_task[name] = flags
+        own = [f for f in flags if f.startswith("--decay-growth-")]
+        assert own == ["--decay-growth-max"], (name, own)
+        assert "--monitor-window" not in flags    # the policy's own memory (4,096 samples)
+    task_values = {"--batch-size", "--lr", "--lr-rule", "--decay-growth-max"}
+
+    def shared(flags):
+        out, skip = [], False
+        for f in flags:
+            if skip:
+                skip = False
+                continue
+            if f in task_values:
+                skip = True
+                continue
+            out.append(f)
+        return out
+
+    assert shared(per_task["mnist1d"]) == shared(per_task["lm"])
+    defaults = {p.name: p.default for p in DecayGrowth.params}
+    assert defaults["margin"] == 1.5 and defaults["temperature-power"] == 0.5
+    assert DecayGrowth.monitor_window == 4096
