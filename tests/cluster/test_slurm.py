@@ -652,3 +652,32 @@ def test_a_restarted_cluster_cancels_the_jobs_an_earlier_one_left(cluster):
     idle = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True,
                           timeout=60).stdout.split()
     assert idle and set(idle) == {"idle"}, idle
+
+
+BENCH_SBATCH = str(ROOT / "slurm" / "bench.sbatch")
+
+
+@pytest.mark.slurm
+def test_the_benchmark_job_script_runs_a_quick_mode_into_a_named_folder(cluster, tmp_path,
+                                                                        cancel_leftovers):
+    """Issue 42: `sbatch slurm/bench.sbatch NAME --quick --json DIR` runs NAME's quick mode
+    (before, every argument was taken for a benchmark name: "--quick" failed the job), writes
+    DIR/NAME.json, and the job's output says where; a bad --json is one line."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    env = job_env(HPCADAPT_ROOT=str(ROOT))
+    job = submit(BENCH_SBATCH, ["allreduce", "--quick", "--json", "results"], env=env,
+                 cwd=str(tmp_path))
+    cancel_leftovers.append(job)
+    final = JobWatcher().wait_until_gone(job, 600)
+    out = (tmp_path / f"hpcadapt-bench-{job}.out").read_text(encoding="utf-8")
+    assert final.state == "COMPLETED", out[-3000:]
+    result = json.loads((tmp_path / "results" / "allreduce.json").read_text())
+    assert result["benchmark"] == "allreduce" and result["ratios"]
+    assert f"hpcadapt: results in {tmp_path / 'results'} (exit 0)" in out, out[-3000:]
+    bad = submit(BENCH_SBATCH, ["allreduce", "--json"], env=env, cwd=str(tmp_path))
+    cancel_leftovers.append(bad)
+    final = JobWatcher().wait_until_gone(bad, 300)
+    out = (tmp_path / f"hpcadapt-bench-{bad}.out").read_text(encoding="utf-8")
+    assert final.state == "FAILED", out
+    assert out.strip().splitlines() == ["hpcadapt: --json needs a folder, e.g. --json results"]
