@@ -2,6 +2,7 @@
 and the driver's pure parts: the grids, the ramps' step points, the records of metrics files
 and their analysis, the tuning rules, and the results folder (atomic records, meta.json)."""
 
+import copy
 import json
 import math
 import sys
@@ -329,8 +330,11 @@ def test_growth_headline_keys_against_the_best_fixed_by_loss_and_seesaw():
                       [x + 0.01 * seed for x in curves[f]], 64 if f != "growth" else 16)
             for seed in (0, 1, 2) for f in curves]
     detail, flat = drv.analyse("lm", runs, fams, [0, 1, 2], [1.5, 1.0, 0.7])
-    assert flat["growth_steps_vs_best_fixed_lm"] is not None
+    # the headline steps: the whole budget's, 50 steps of growth against 50 of fixed here
+    assert flat["growth_steps_vs_best_fixed_lm"] == pytest.approx(1.0)
     assert flat["growth_steps_ci_hi_lm"] >= flat["growth_steps_vs_best_fixed_lm"]
+    assert flat["growth_steps_to_middle_target_vs_best_fixed_lm"] is not None
+    assert detail["growth"]["steps_whole_budget"]["baseline"] == labels["fixed"]
     # growth ends at 800 samples, fixed at 3,200: the fixed curve at 800 (step 12.5) is 1.875
     assert flat["growth_final_loss_delta_lm"] == pytest.approx(0.5 - 1.875)
     assert flat["growth_final_loss_delta_hi_lm"] == pytest.approx(0.5 - 1.875)  # no spread
@@ -371,7 +375,10 @@ def test_targets_by_the_rule_and_the_record_a_full_comparison_refuses():
     # 40% of 6,400 samples: 2,560 (eval 4: 1.0); 70%: 4,480 (eval 7: 0.7); 0.5 x 1.02
     assert targets == [1.0, 0.7, 0.51] and "fixed b64 lr0.1" in note
     task = drv.TASKS["mnist1d"]
-    shipped = drv.read_tuning(drv.TUNING_FILE)["tasks"]["mnist1d"]
+    # a record of another grid, growth untried (the shipped record before issue 41's sweep)
+    shipped = copy.deepcopy(drv.read_tuning(drv.TUNING_FILE)["tasks"]["mnist1d"])
+    shipped["families"]["fixed"]["grid"] = shipped["families"]["fixed"]["grid"][:-1]
+    shipped["families"]["growth"] = dict(shipped["families"]["growth"], provisional=True)
     problems = drv.record_problems(shipped, task, task["samples"], drv.FAMILIES)
     assert any("another grid" in p for p in problems) and any("growth" in p for p in problems)
     # quick: the fixed winner by final loss and growth (gns-batch while growth cannot run)
@@ -381,7 +388,10 @@ def test_targets_by_the_rule_and_the_record_a_full_comparison_refuses():
     assert [f for f, _ in drv.comparison_methods(fams, no_growth, True)] == ["fixed", "adaptive"]
     full = [f for f, _ in drv.comparison_methods(fams, drv.FAMILIES, False)]
     assert full[-4:] == ["doubling", "seesaw", "growth", "adaptive"]
-    assert drv.tuning_compute(fams, 30000)["fixed"] == {"runs": 24, "samples": 24 * 30000}
+    # recorded by the sweep; an older record's is counted from its grid and seeds
+    assert drv.tuning_compute(fams, 30000)["fixed"] == fams["fixed"]["tuning_compute"]
+    old = {"fixed": {"grid": [{}] * 12, "tuning_seeds": [1000, 1001]}}
+    assert drv.tuning_compute(old, 30000)["fixed"] == {"runs": 24, "samples": 24 * 30000}
 
 
 # ----------------------------------------------------------------- the results folder
