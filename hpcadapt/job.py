@@ -102,6 +102,10 @@ class Job:
         # next step boundary, saying nothing was saved, instead of being swallowed.
         self.stops = Stops(self, StopSignals.named(o.stops.stop_signals,
                                                    saves=bool(o.stops.checkpoint)).install())
+        companion_of = config.take_companion_of()
+        if companion_of is not None:
+            self.stops.signals.leave_instead(f"its companion job of Slurm job {companion_of} "
+                                             f"is ending (cancelled, or its node taken back)")
         self.world = world_mod.init()
         self.membership.listen_early()  # a spawned joiner hears the job from now on
         self.stops.signals.announce = lambda: (self.world.rank == 0

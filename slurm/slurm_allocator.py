@@ -24,6 +24,7 @@ from importlib import resources
 from typing import Dict, List, Optional, Sequence
 
 from hpcadapt.elastic.allocator import launcher_free_environ
+from hpcadapt.base.config import COMPANION_OF_VARIABLE
 from hpcadapt.base.errors import AllocationError
 
 from .allocation import Allocation, time_left
@@ -196,8 +197,14 @@ class SlurmAllocator:
                     mpi=self.mpi, pending_timeout=self.pending_timeout,
                     extra_sbatch=self._request_options)
             return self._expansion.launch(argvs, submit_env)
+        # A companion belongs to its training: never requeued on its own (a requeued
+        # training grows again if it needs to), named and commented after it; its worker
+        # knows whose it is, so that a signal to the companion ends the worker, not the job.
+        training = self.allocation.job_id
+        submit_env[COMPANION_OF_VARIABLE] = training
         base = ["sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--exclusive",
-                f"--job-name=hpcadapt-join-{self.allocation.job_id}",
+                "--no-requeue", f"--job-name=hpcadapt-join-{training}",
+                f"--comment=hpcadapt companion of job {training}",
                 f"--output={self.output}", f"--exclude={','.join(in_use)}"]
         base += self._request_options()
         started: List[CompanionJob] = []

@@ -102,6 +102,16 @@ def take_join_dir() -> Optional[str]:
     return os.environ.pop(JOIN_DIR_VARIABLE, None) or None
 
 
+COMPANION_OF_VARIABLE = "HPCADAPT_COMPANION_OF"
+
+
+def take_companion_of() -> Optional[str]:
+    """``HPCADAPT_COMPANION_OF``: the Slurm job id of the training that a companion job's
+    worker joins (set by the Slurm allocator when it submits the companion); None in any
+    other process. Removed once read, like the join folder."""
+    return os.environ.pop(COMPANION_OF_VARIABLE, None) or None
+
+
 SPAWNED_VARIABLE = "HPCADAPT_SPAWNED"
 
 

@@ -99,6 +99,22 @@ class StopSignals:
         unblock_stop_signals()
         return self
 
+    def leave_instead(self, why: str) -> None:
+        """This process is a worker in an allocation of its own (a Slurm companion job): a
+        signal to it ends that allocation, not the training (the training's own job gets
+        the scheduler's stop signals). So it leaves: one line, and the process exits at
+        once, a worker's death the training survives; it never stops the whole job."""
+        def leave(signum: int, _frame) -> None:
+            if os.getpid() != self._pid:
+                return
+            log.warning("%s received: %s; this worker exits and the training goes on without "
+                        "it", signal.Signals(signum).name, why)
+            os._exit(128 + signum)   # the log handler flushed its line; nothing else to keep
+
+        for sig in self.signals:
+            if sig not in ALWAYS_STOP:
+                signal.signal(sig, leave)
+
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

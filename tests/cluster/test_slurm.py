@@ -681,3 +681,86 @@ def test_the_benchmark_job_script_runs_a_quick_mode_into_a_named_folder(cluster,
     out = (tmp_path / f"hpcadapt-bench-{bad}.out").read_text(encoding="utf-8")
     assert final.state == "FAILED", out
     assert out.strip().splitlines() == ["hpcadapt: --json needs a folder, e.g. --json results"]
+
+
+def sacct_state(job_id: str) -> str:
+    """The job's state in Slurm's accounting (its allocation line), e.g. "CANCELLED"."""
+    out = run_slurm(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"])
+    lines = [l.strip() for l in out.splitlines() if l.strip()]
+    return lines[-1].split()[0] if lines else ""
+
+
+def companions_of(job: str) -> list:
+    """The companion jobs of training ``job`` that Slurm knows now (any state)."""
+    out = run_slurm(["squeue", "-h", "-t", "all", "-n", f"hpcadapt-join-{job}", "-o", "%i"])
+    return [l.strip() for l in out.splitlines() if l.strip()]
+
+
+@pytest.mark.slurm
+def test_a_cancelled_companion_job_is_a_workers_death_not_a_stop_of_the_training(
+        cluster, tmp_path, cancel_leftovers):
+    """Issue 42: `scancel` of the companion job that added a worker gives its node back; the
+    worker leaves (one line), the training recovers and trains on at 1 worker, never stops
+    or requeues, and ends COMPLETED. The companion was submitted --no-requeue with a comment
+    naming its training, and ends CANCELLED in the accounting, not FAILED."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    args = UNTIL_STOPPED + [
+        "--policy", "resize-schedule", "--resize-schedule-steps", "5:2",
+        "--metrics-file", "m.jsonl", "--sample-log", "samples", "--stop-file", str(stop),
+        "--slurm-grow", "companion"]
+    with JobWatcher() as watch:
+        job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=2), cwd=str(tmp_path))
+        cancel_leftovers.append(job)
+        wait_for(lambda: [s for s in records(metrics, "step") if s["world_size"] == 2],
+                 "a step on 2 workers", job, tmp_path)
+        (companion,) = companions_of(job)
+        shown = parse_key_values(run_slurm(["scontrol", "show", "job", companion]))
+        assert shown["Requeue"] == "0" and shown["Comment"] == f"hpcadapt companion of job {job}"
+        run_slurm(["scancel", companion])
+        failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
+                           tmp_path)[0]
+        wait_for(lambda: [s for s in records(metrics, "step")
+                          if s["world_size"] == 1 and s["step"] > failure["step"] + 5],
+                 "steps on 1 worker after the recovery", job, tmp_path)
+        out = stop_once_the_node_is_back(watch, job, tmp_path, stop)
+    assert failure["recovered"] and failure["dead"] == [1], failure
+    assert "requeueing" not in out and "stopped on" not in out, out[-3000:]
+    assert not records(metrics, "stop")
+    assert sacct_state(companion) == "CANCELLED"
+    companion_out = "".join(p.read_text() for p in tmp_path.glob(f"*{companion}*"))
+    assert f"its companion job of Slurm job {job} is ending" in out + companion_out
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary_of(out)["epochs"])
+
+
+@pytest.mark.slurm
+def test_a_grown_job_stopped_by_usr1_leaves_its_companion_completed_not_failed(
+        cluster, tmp_path, cancel_leftovers):
+    """Issue 42: every preemption of a grown job used to leave a FAILED 75:0 companion in
+    sacct (alerts and failure reports counted each preemption as a failure). USR1 to the
+    training, grown onto a companion: the training saves and is requeued, the companion ends
+    COMPLETED; the requeued training resumes and finishes."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    args = UNTIL_STOPPED + [
+        "--policy", "resize-schedule", "--resize-schedule-steps", "5:2",
+        "--metrics-file", "m.jsonl", "--stop-file", str(stop), "--slurm-grow", "companion"]
+    with JobWatcher() as watch:
+        job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=2), cwd=str(tmp_path))
+        cancel_leftovers.append(job)
+        wait_for(lambda: [s for s in records(metrics, "step") if s["world_size"] == 2],
+                 "a step on 2 workers", job, tmp_path)
+        (companion,) = companions_of(job)
+        run_slurm(["scancel", "--signal=USR1", job])
+        wait_for(lambda: RESUMED.search(output_so_far(tmp_path, job)),
+                 "the requeued job resuming from its checkpoint", job, tmp_path)
+        wait_for(lambda: sacct_state(companion) not in ("", "RUNNING", "PENDING"),
+                 "the first companion's end in the accounting", job, tmp_path)
+        stop.touch()
+        final = watch.wait_until_gone(job, 300)
+    out = job_output(tmp_path, job)
+    assert final.state == "COMPLETED", out[-3000:]
+    assert "stopped on SIGUSR1" in out and f"requeueing job {job}" in out
+    assert sacct_state(companion) == "COMPLETED", sacct_state(companion)
