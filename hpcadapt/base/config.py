@@ -92,6 +92,13 @@ def slurm_node_name() -> Optional[str]:
     return None
 
 
+def slurm_job_id() -> Optional[str]:
+    """The Slurm job this process runs in (``SLURM_JOB_ID``, digits, ``_`` for an array's
+    task), None outside Slurm or when malformed."""
+    value = os.environ.get("SLURM_JOB_ID", "")
+    return value if value and value.replace("_", "").isdigit() else None
+
+
 JOIN_DIR_VARIABLE = "HPCADAPT_JOIN_DIR"
 
 

@@ -16,13 +16,14 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
-from hpcadapt.base import agent_files as agent, lifecycle, strategies
+from hpcadapt.base import agent_files as agent, config, lifecycle, strategies
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.base.metrics import FailureRecord, ResumeRecord, StopRecord, json_safe
 from hpcadapt.base.preemption import EXIT_REQUEUE, StopSignals
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 from hpcadapt.data.loader import sweep_dead_worker_dirs
+from hpcadapt.state.lease import CheckpointLease
 from hpcadapt.state.training import checkpoint_step
 
 __all__ = ["Stops"]
@@ -46,6 +47,8 @@ class Stops:
         self.exit_code = 0
         self.resumed_at: Optional[int] = None  # the step a resume started from
         self.by_stop_file = False  # --stop-file was found: training ended there (exit 0)
+        self.lease: Optional[CheckpointLease] = None  # rank 0's hold on --checkpoint
+        self.lease_token: Optional[str] = None        # every rank: the job's lease token
 
     def expect_identity(self, identity: Optional[Dict[str, Any]]) -> None:
         """The values a checkpoint must match to be resumed, and that a save records."""
@@ -60,10 +63,17 @@ class Stops:
                      job.options.stops.stop_file, job.state.step)
 
     def resume(self, path: str) -> bool:
-        """Every rank: rank 0 reads ``path`` if it exists and the state is broadcast."""
+        """Every rank: rank 0 takes the path's lease (one job per checkpoint), reads ``path``
+        if it exists, and the state is broadcast with the lease's token."""
         job = self.job
-        error, found = "", False
-        if job.world.rank == 0 and os.path.exists(path):
+        error, found, token = "", False, None
+        if job.world.rank == 0:
+            self.lease = CheckpointLease(path, job_id=config.slurm_job_id())
+            try:
+                token = self.lease.acquire()
+            except ConfigurationError as exc:
+                error = str(exc)
+        if job.world.rank == 0 and not error and os.path.exists(path):
             found = True
             try:
                 job.state.load(path, identity=self.identity)
@@ -71,8 +81,10 @@ class Stops:
                     ConfigurationError) as exc:
                 error = (f"cannot resume from {path}: {exc}; remove it or pass another "
                          f"--checkpoint")
-        verdict = root_tells({"error": error, "found": found} if job.world.rank == 0 else None,
+        verdict = root_tells({"error": error, "found": found, "token": token}
+                             if job.world.rank == 0 else None,
                              job.world, what="the resume's verdict")
+        self.lease_token = verdict["token"]
         if verdict["error"]:
             raise on_every_rank(ConfigurationError(verdict["error"]))
         if not verdict["found"]:
@@ -267,11 +279,11 @@ class Stops:
             # Requeue only from a saved state (rank 0 saves; the others follow its word).
             self.exit_code = EXIT_REQUEUE if self.requeue and \
                 not self.stopped.endswith("NOT saved") else 1
-        elif job.options.stops.checkpoint and job.world.rank == 0 and not job.membership.joining \
-                and os.path.exists(job.options.stops.checkpoint):
-            os.unlink(job.options.stops.checkpoint)
-            log.info("training finished; removed the preemption checkpoint %s",
-                     job.options.stops.checkpoint)
+        elif job.options.stops.checkpoint and job.world.rank == 0 and not job.membership.joining:
+            # what this job owns: the checkpoint and its lease (another job may hold the
+            # path now, if this one's lease was taken over while it ran)
+            CheckpointLease(job.options.stops.checkpoint, job_id=config.slurm_job_id()
+                            ).release(self.lease_token, remove_checkpoint=True)
         if job.world.rank == 0:
             agent.record_exit_code(self.exit_code)
         lifecycle.plan_exit(self.exit_code)

@@ -764,3 +764,38 @@ def test_a_grown_job_stopped_by_usr1_leaves_its_companion_completed_not_failed(
     assert final.state == "COMPLETED", out[-3000:]
     assert "stopped on SIGUSR1" in out and f"requeueing job {job}" in out
     assert sacct_state(companion) == "COMPLETED", sacct_state(companion)
+
+
+@pytest.mark.slurm
+def test_two_jobs_on_one_checkpoint_the_second_is_refused_and_the_first_keeps_its_state(
+        cluster, tmp_path, cancel_leftovers):
+    """Issue 42: two jobs of train.sbatch given the same CHECKPOINT. The second used to
+    resume from the first one's live state and delete it at its end; now it stops at start
+    in one line naming the first job, and the first trains on and finishes, its checkpoint
+    removed only then."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, job_state, submit
+
+    ckpt, stop, metrics = tmp_path / "shared.ckpt", tmp_path / "STOP", tmp_path / "m.jsonl"
+    env = job_env(CHECKPOINT=str(ckpt))
+    with JobWatcher() as watch:
+        first = submit(TRAIN_SBATCH, UNTIL_STOPPED + ["--metrics-file", "m.jsonl",
+                                                      "--checkpoint-every", "10",
+                                                      "--stop-file", str(stop)],
+                       env=env, cwd=str(tmp_path))
+        cancel_leftovers.append(first)
+        wait_for(lambda: ckpt.exists() and len(records(metrics, "step")) > 20,
+                 "the first job's checkpoint and step 20", first, tmp_path)
+        second = submit(TRAIN_SBATCH, ["--epochs", "2", "--metrics-file", "second.jsonl"],
+                        env=env, cwd=str(tmp_path))
+        cancel_leftovers.append(second)
+        final = watch.wait_until_gone(second, 300)
+        out = job_output(tmp_path, second)
+        assert final.state == "FAILED", out[-3000:]
+        assert f"is in use by another job (Slurm job {first}, pid" in out, out[-3000:]
+        assert "resumed from" not in out
+        assert ckpt.exists() and job_state(first).state == "RUNNING"
+        stop.touch()
+        final = watch.wait_until_gone(first, 300)
+    out = job_output(tmp_path, first)
+    assert final.state == "COMPLETED", out[-3000:]
+    assert not ckpt.exists() and not (tmp_path / "shared.ckpt.owner").exists()
