@@ -12,7 +12,9 @@ step) waits on has ended. The agent is what they wait on instead, as torchrun's 
   writes its pid there (stop signals sent to the agent go to it alone, and the launcher only
   when there is none yet) and, at the end, the job's
   exit code, which becomes the agent's own. Without that file (no coordinator got to the
-  end: every worker died) the agent exits with its first launch's code.
+  end: every worker died) the agent exits with its first launch's code, and with 75 (requeue)
+  where that code says 0 although a training started: the launch was torn down from outside,
+  it did not succeed.
 
 Workers run under an agent recover from rank 0's death (``hpcadapt.elastic.recovery``); without
 one, rank 0's death ends the job as it always has."""
@@ -29,6 +31,7 @@ import tempfile
 from typing import List, Optional, Set
 
 from hpcadapt.base import config
+from hpcadapt.base.preemption import EXIT_REQUEUE
 from hpcadapt.base.agent_files import (AGENT_FILE, COORDINATOR_FILE, EXIT_FILE, STOPPING_FILE,
                                        read_int, write_file, agent_pid, record_coordinator,
                                        record_exit_code, stopping)
@@ -124,7 +127,18 @@ def run(command: List[str]) -> int:
                     and left <= inherited:
                 break
         code = read_int(folder, EXIT_FILE)
-        return code if code is not None else (first_code or 0)
+        started = read_int(folder, COORDINATOR_FILE) is not None
+        if code is None and not first_code and started:
+            # A training that started (its coordinator said so) and ends records its code
+            # (job.finish); none here, yet the launch says 0: it was torn down from outside
+            # (Slurm's signal to every step of a job kills mpirun's daemons, and mpirun can
+            # then end with 0). Not a success: the job script requeues (resuming from the
+            # checkpoint, if one was saved).
+            sys.stderr.write("hpcadapt agent: the launch ended without the training's end "
+                             "(its runtime was torn down); exit 75 so that the job script "
+                             "requeues\n")
+            return EXIT_REQUEUE
+        return code if code is not None else first_code
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

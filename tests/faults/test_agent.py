@@ -123,3 +123,14 @@ def test_a_metrics_file_that_is_a_symlink_is_not_taken_over(tmp_path):
     sink.write({"event": "failure"})  # dropped: no file
     sink.close()
     assert target.read_text() == "keep\n"
+
+
+def test_a_started_training_that_records_no_end_is_not_a_success():
+    """A coordinator said the training started, then the launch ended with 0 and no recorded
+    exit code (mpirun torn down from outside: Slurm signalled its daemons): 75, so that the
+    job script requeues, never 0. A command that is no training keeps its own code."""
+    code = "from hpcadapt import agent; agent.record_coordinator()"
+    proc = _agent(sys.executable, "-c", code)
+    assert proc.wait(timeout=60) == 75
+    assert "the launch ended without the training's end" in proc.stderr.read()
+    assert _agent(sys.executable, "-c", "pass").wait(timeout=60) == 0

@@ -8,6 +8,7 @@ bit-identical, one failure line. Then random kills in a loop. Skipped on any oth
 
 import json
 import os
+import shutil
 import random
 import signal
 import subprocess
@@ -751,3 +752,46 @@ def test_a_stop_after_a_recovered_failure_leaves_nothing_behind(tmp_path, agent)
     left = [p for p in processes_mentioning(str(run.metrics)) if alive(p)]
     assert not left and not [p for p in pids if alive(p)], left
 
+
+
+@pytest.mark.slurm
+def test_usr1_to_every_step_of_the_ulfm_job_script_requeues_and_resumes(cluster, tmp_path,
+                                                                        cancel_leftovers):
+    """Issue 42: `scancel --signal=USR1 JOB` (every step of the job, mpirun's daemons too)
+    ended the run of slurm/train-ulfm.sbatch as COMPLETED 0:0 with nothing requeued: the
+    daemons die of the signal and take the job down (mpirun can then exit 0), whether or not
+    the ranks saved first. The agent, which knows the training did not reach its end (no exit
+    code recorded), exits 75 and the script requeues; the requeued job resumes (from the
+    checkpoint where the ranks saved in time, else from the start) and ends COMPLETED by its
+    stop file."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit, wait_for
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    session_tmp = os.environ["TMPDIR"]
+    daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
+    job = submit(str(ROOT / "slurm" / "train-ulfm.sbatch"),
+                 ["--epochs", "100000", "--model", "mlp", "--dataset", "digits", "--threads",
+                  "1", "--metrics-file", str(metrics), "--stop-file", str(stop)],
+                 env=job_env(NTASKS="2", MPIRUN_FLAGS="--oversubscribe"), cwd=str(tmp_path))
+    cancel_leftovers.append(job)
+    out = tmp_path / f"hpcadapt-ulfm-{job}.out"
+
+    def said():
+        return out.read_text() if out.exists() else ""
+
+    wait_for(lambda: [r for r in complete_rows(metrics)
+                      if r.get("event") == "step" and r["step"] >= 20], "step 20", job, 300)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=60)
+    wait_for(lambda: "(restart 1)" in said(), "the requeued job starting again", job, 300)
+    wait_for(lambda: said().count("training on 2 workers") >= 2, "the requeued job training",
+             job, 300)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(job, 300)
+    assert final.state == "COMPLETED", said()[-3000:]
+    assert f"requeueing job {job}" in said(), said()[-3000:]
+    assert not (tmp_path / f"hpcadapt-{job}.ckpt").exists()
+    # The daemon Slurm's signal killed leaves its session folder (Open MPI's, not ours):
+    # removed here, so that the session's check for leftovers looks at the rest.
+    for name in os.listdir(session_tmp):
+        if name.startswith("prted.") and name not in daemons_before:
+            shutil.rmtree(os.path.join(session_tmp, name), ignore_errors=True)
