@@ -50,6 +50,7 @@ from hpcadapt.base.errors import ConfigurationError
 
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import non_negative_float, positive_float, positive_int
+from .rate import PeakRate
 
 __all__ = ["DecayGrowth"]
 
@@ -83,7 +84,7 @@ class DecayGrowth(Policy):
                 f"--decay-growth-temperature-power must be >= 0, got {temperature_power}")
         self.max, self.margin, self.power = max, margin, temperature_power
         self.halvings = halvings
-        self.peak = 0.0      # the scheduler's highest rate so far
+        self.rates = PeakRate()  # the scheduler's highest rate so far
         self.handled = 0     # halvings of the schedule already turned into growth or kept
         self.grown = 0       # of those, the ones that became a doubling of the batch
         self.stopped = False  # a halving stayed a rate decay: so do all later ones
@@ -93,16 +94,14 @@ class DecayGrowth(Policy):
         b, hi = snap.noise_scale, snap.noise_scale_hi
         if not (b > 0) or math.isnan(b) or not math.isfinite(hi):
             return math.nan
-        c = snap.schedule_lr / self.peak if self.peak > 0 else 1.0
-        return b * min(1.0, max(c, 0.0)) ** self.power
+        c = self.rates.fraction(snap.schedule_lr)
+        return b * min(1.0, max(1.0 if c is None else c, 0.0)) ** self.power
 
     def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
-        rate = snap.schedule_lr
-        if rate > self.peak:
-            self.peak = rate
-        if not self.peak > 0:
+        self.rates.follow(snap.schedule_lr)
+        c = self.rates.fraction(snap.schedule_lr)
+        if c is None:
             return None
-        c = rate / self.peak
         halvings = math.floor(math.log2(1.0 / c) + 1e-9) if c > 0 else 10**6
         if halvings <= self.handled:
             return None
@@ -126,11 +125,11 @@ class DecayGrowth(Policy):
             self.grown += 1
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"peak": self.peak, "handled": self.handled, "grown": self.grown,
+        return {"peak": self.rates.peak, "handled": self.handled, "grown": self.grown,
                 "stopped": self.stopped}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.peak = float(state["peak"])
+        self.rates.peak = float(state["peak"])
         self.handled = int(state["handled"])
         self.grown = int(state.get("grown", 0))
         self.stopped = bool(state.get("stopped", False))

@@ -40,6 +40,7 @@ from hpcadapt.base.errors import ConfigurationError
 from .base import Decision, MetricsSnapshot, Param, Policy
 from .params import (float_above, non_negative_float, non_negative_int, positive_float,
                      positive_int)
+from .rate import PeakRate
 
 __all__ = ["GNSBatchSize"]
 
@@ -97,7 +98,7 @@ class GNSBatchSize(Policy):
         self.cooldown, self.cooldown_samples = cooldown, cooldown_samples
         self.interval, self.warmup = interval, warmup
         self.power = temperature_power
-        self.peak_rate = 0.0   # the user's scheduler's highest rate so far
+        self.rates = PeakRate()   # the user's scheduler's highest rate so far
         self.last_change = -10**9
         self.last_change_samples = -10**18
 
@@ -116,10 +117,11 @@ class GNSBatchSize(Policy):
     def schedule_factor(self, snap: MetricsSnapshot) -> float:
         """The user's scheduler's rate now over its peak so far (1 where it is not known)."""
         rate = snap.schedule_lr
-        if not (rate > 0) or not math.isfinite(rate):
+        if not rate > 0:
             return 1.0
-        self.peak_rate = max(self.peak_rate, rate)
-        return rate / self.peak_rate
+        self.rates.follow(rate)
+        c = self.rates.fraction(rate)
+        return 1.0 if c is None else c
 
     def after_step(self, snap: MetricsSnapshot) -> Optional[Decision]:
         self.schedule_factor(snap)   # the peak is followed at every step, deciding or not
@@ -149,9 +151,9 @@ class GNSBatchSize(Policy):
 
     def state_dict(self) -> Dict[str, Any]:
         return {"last_change": self.last_change,
-                "last_change_samples": self.last_change_samples, "peak_rate": self.peak_rate}
+                "last_change_samples": self.last_change_samples, "peak_rate": self.rates.peak}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.last_change = int(state["last_change"])
         self.last_change_samples = int(state.get("last_change_samples", -10**18))
-        self.peak_rate = float(state.get("peak_rate", 0.0))
+        self.rates.peak = float(state.get("peak_rate", 0.0))

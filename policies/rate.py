@@ -7,12 +7,13 @@ batch change, whose rule rate is only known once that change is applied."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from .base import Decision, MetricsSnapshot
 
-__all__ = ["RateTracker"]
+__all__ = ["RateTracker", "PeakRate"]
 
 
 @dataclass
@@ -50,3 +51,24 @@ class RateTracker:
         heading, batch = state.get("heading"), state.get("batch_now")
         self.heading = None if heading is None else float(heading)
         self.batch_now = None if batch is None else int(batch)
+
+
+@dataclass
+class PeakRate:
+    """The user's scheduler's highest rate so far (``MetricsSnapshot.schedule_lr``) and the
+    rate now as a fraction of it: how far the schedule has decayed, which the policies that
+    read the schedule need (gns-batch's and decay-growth's noise scale at the peak rate,
+    decay-growth's halvings)."""
+
+    peak: float = 0.0
+
+    def follow(self, rate: float) -> None:
+        """Fold in the scheduler's rate of this step (a non-finite one is not a peak)."""
+        if math.isfinite(rate) and rate > self.peak:
+            self.peak = rate
+
+    def fraction(self, rate: float) -> Optional[float]:
+        """``rate`` over the peak; None while no peak is known or the rate is not finite."""
+        if not self.peak > 0 or not math.isfinite(rate):
+            return None
+        return rate / self.peak

@@ -47,8 +47,7 @@ class Stops:
         self.exit_code = 0
         self.resumed_at: Optional[int] = None  # the step a resume started from
         self.by_stop_file = False  # --stop-file was found: training ended there (exit 0)
-        self.lease: Optional[CheckpointLease] = None  # rank 0's hold on --checkpoint
-        self.lease_token: Optional[str] = None        # every rank: the job's lease token
+        self.lease_token: Optional[str] = None  # every rank: the job's --checkpoint lease token
 
     def expect_identity(self, identity: Optional[Dict[str, Any]]) -> None:
         """The values a checkpoint must match to be resumed, and that a save records."""
@@ -68,9 +67,8 @@ class Stops:
         job = self.job
         error, found, token = "", False, None
         if job.world.rank == 0:
-            self.lease = CheckpointLease(path, job_id=config.slurm_job_id())
             try:
-                token = self.lease.acquire()
+                token = CheckpointLease(path, job_id=config.slurm_job_id()).acquire()
             except ConfigurationError as exc:
                 error = str(exc)
         if job.world.rank == 0 and not error and os.path.exists(path):

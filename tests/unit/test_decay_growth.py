@@ -129,7 +129,7 @@ def test_the_state_travels():
     replay(p, _critical_100)
     q = DecayGrowth()
     q.load_state_dict(p.state_dict())
-    assert (q.peak, q.handled, q.grown) == (p.peak, p.handled, p.grown)
+    assert (q.rates.peak, q.handled, q.grown) == (p.rates.peak, p.handled, p.grown)
 
 
 def _world():
