@@ -696,6 +696,24 @@ def companions_of(job: str) -> list:
     return [l.strip() for l in out.splitlines() if l.strip()]
 
 
+def grown_onto_a_companion(tmp_path, cancel_leftovers, *extra):
+    """train.sbatch until its stop file, grown at step 5 onto one companion job; returns
+    (job, companion, stop file, metrics) once a step ran on 2 workers."""
+    from hpcadapt.slurm.testcluster.watch import submit
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    args = UNTIL_STOPPED + [
+        "--policy", "resize-schedule", "--resize-schedule-steps", "5:2",
+        "--metrics-file", "m.jsonl", "--stop-file", str(stop), "--slurm-grow", "companion",
+        *extra]
+    job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=2), cwd=str(tmp_path))
+    cancel_leftovers.append(job)
+    wait_for(lambda: [s for s in records(metrics, "step") if s["world_size"] == 2],
+             "a step on 2 workers", job, tmp_path)
+    (companion,) = companions_of(job)
+    return job, companion, stop, metrics
+
+
 @pytest.mark.slurm
 def test_a_cancelled_companion_job_is_a_workers_death_not_a_stop_of_the_training(
         cluster, tmp_path, cancel_leftovers):
@@ -703,19 +721,11 @@ def test_a_cancelled_companion_job_is_a_workers_death_not_a_stop_of_the_training
     worker leaves (one line), the training recovers and trains on at 1 worker, never stops
     or requeues, and ends COMPLETED. The companion was submitted --no-requeue with a comment
     naming its training, and ends CANCELLED in the accounting, not FAILED."""
-    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
 
-    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
-    args = UNTIL_STOPPED + [
-        "--policy", "resize-schedule", "--resize-schedule-steps", "5:2",
-        "--metrics-file", "m.jsonl", "--sample-log", "samples", "--stop-file", str(stop),
-        "--slurm-grow", "companion"]
     with JobWatcher() as watch:
-        job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=2), cwd=str(tmp_path))
-        cancel_leftovers.append(job)
-        wait_for(lambda: [s for s in records(metrics, "step") if s["world_size"] == 2],
-                 "a step on 2 workers", job, tmp_path)
-        (companion,) = companions_of(job)
+        job, companion, stop, metrics = grown_onto_a_companion(
+            tmp_path, cancel_leftovers, "--sample-log", "samples")
         shown = parse_key_values(run_slurm(["scontrol", "show", "job", companion]))
         assert shown["Requeue"] == "0" and shown["Comment"] == f"hpcadapt companion of job {job}"
         run_slurm(["scancel", companion])
@@ -741,18 +751,10 @@ def test_a_grown_job_stopped_by_usr1_leaves_its_companion_completed_not_failed(
     sacct (alerts and failure reports counted each preemption as a failure). USR1 to the
     training, grown onto a companion: the training saves and is requeued, the companion ends
     COMPLETED; the requeued training resumes and finishes."""
-    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
 
-    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
-    args = UNTIL_STOPPED + [
-        "--policy", "resize-schedule", "--resize-schedule-steps", "5:2",
-        "--metrics-file", "m.jsonl", "--stop-file", str(stop), "--slurm-grow", "companion"]
     with JobWatcher() as watch:
-        job = submit(TRAIN_SBATCH, args, env=job_env(MAX_NODES=2), cwd=str(tmp_path))
-        cancel_leftovers.append(job)
-        wait_for(lambda: [s for s in records(metrics, "step") if s["world_size"] == 2],
-                 "a step on 2 workers", job, tmp_path)
-        (companion,) = companions_of(job)
+        job, companion, stop, _ = grown_onto_a_companion(tmp_path, cancel_leftovers)
         run_slurm(["scancel", "--signal=USR1", job])
         wait_for(lambda: RESUMED.search(output_so_far(tmp_path, job)),
                  "the requeued job resuming from its checkpoint", job, tmp_path)
