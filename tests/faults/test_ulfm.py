@@ -604,17 +604,17 @@ def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
 from slurm_cluster import cancel_leftovers, cluster, job_env  # noqa: E402,F401 (fixtures)
 
 
-@pytest.mark.slurm
-def test_a_rank_killed_inside_a_slurm_job_is_survived(cluster, tmp_path, cancel_leftovers):
-    """slurm/train-ulfm.sbatch runs mpirun --with-ft ulfm inside the allocation; a rank is
-    SIGKILLed; the job trains on at 2 ranks and ends COMPLETED by its stop file."""
-    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit, wait_for
+def _ulfm_job_at_step_20(tmp_path, cancel_leftovers, ntasks):
+    """slurm/train-ulfm.sbatch until its stop file, on ``ntasks`` ranks; returns (job, stop
+    file, metrics, said: the job's output so far) once step 20 is in the metrics."""
+    from hpcadapt.slurm.testcluster.watch import submit, wait_for
 
     stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
     job = submit(str(ROOT / "slurm" / "train-ulfm.sbatch"),
                  ["--epochs", "100000", "--model", "mlp", "--dataset", "digits", "--threads",
                   "1", "--metrics-file", str(metrics), "--stop-file", str(stop)],
-                 env=job_env(NTASKS="3", MPIRUN_FLAGS="--oversubscribe"), cwd=str(tmp_path))
+                 env=job_env(NTASKS=str(ntasks), MPIRUN_FLAGS="--oversubscribe"),
+                 cwd=str(tmp_path))
     cancel_leftovers.append(job)
     out = tmp_path / f"hpcadapt-ulfm-{job}.out"
 
@@ -623,6 +623,16 @@ def test_a_rank_killed_inside_a_slurm_job_is_survived(cluster, tmp_path, cancel_
 
     wait_for(lambda: [r for r in complete_rows(metrics)
                       if r.get("event") == "step" and r["step"] >= 20], "step 20", job, 300)
+    return job, stop, metrics, said
+
+
+@pytest.mark.slurm
+def test_a_rank_killed_inside_a_slurm_job_is_survived(cluster, tmp_path, cancel_leftovers):
+    """slurm/train-ulfm.sbatch runs mpirun --with-ft ulfm inside the allocation; a rank is
+    SIGKILLed; the job trains on at 2 ranks and ends COMPLETED by its stop file."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, wait_for
+
+    job, stop, metrics, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 3)
     pids = launch_ranks(str(metrics))
     assert sorted(pids) == [0, 1, 2], (pids, said()[-3000:])
     os.kill(pids[1], signal.SIGKILL)
@@ -764,23 +774,11 @@ def test_usr1_to_every_step_of_the_ulfm_job_script_requeues_and_resumes(cluster,
     code recorded), exits 75 and the script requeues; the requeued job resumes (from the
     checkpoint where the ranks saved in time, else from the start) and ends COMPLETED by its
     stop file."""
-    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit, wait_for
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, wait_for
 
-    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
     session_tmp = os.environ["TMPDIR"]
     daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
-    job = submit(str(ROOT / "slurm" / "train-ulfm.sbatch"),
-                 ["--epochs", "100000", "--model", "mlp", "--dataset", "digits", "--threads",
-                  "1", "--metrics-file", str(metrics), "--stop-file", str(stop)],
-                 env=job_env(NTASKS="2", MPIRUN_FLAGS="--oversubscribe"), cwd=str(tmp_path))
-    cancel_leftovers.append(job)
-    out = tmp_path / f"hpcadapt-ulfm-{job}.out"
-
-    def said():
-        return out.read_text() if out.exists() else ""
-
-    wait_for(lambda: [r for r in complete_rows(metrics)
-                      if r.get("event") == "step" and r["step"] >= 20], "step 20", job, 300)
+    job, stop, _, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2)
     subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=60)
     wait_for(lambda: "(restart 1)" in said(), "the requeued job starting again", job, 300)
     wait_for(lambda: said().count("training on 2 workers") >= 2, "the requeued job training",
