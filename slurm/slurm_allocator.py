@@ -73,6 +73,7 @@ class CompanionJob:
             return
         try:
             run_slurm(["scancel", self.job_id])
+            log.info("companion job %s cancelled by the training", self.job_id)
         except SlurmCommandError as exc:
             log.warning("could not cancel companion job %s: %s", self.job_id, exc)
 
@@ -85,6 +86,11 @@ class CompanionJob:
         if state is None:
             self.error = self.error or f"companion job {self.job_id} is no longer known to Slurm"
             return
+        if state.finished and (self.state is None or not self.state.finished):
+            # The training's own record of each companion's end (sacct has Slurm's).
+            nodes = state.nodes or self.nodes
+            log.info("companion job %s%s ended %s (reason %s)", self.job_id,
+                     f" on {nodes}" if nodes else "", state.state, state.reason)
         self.state = state
         if state.finished and self.error is None:
             self.error = (f"companion job {self.job_id} ended ({state.state}, reason "

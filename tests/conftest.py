@@ -109,7 +109,7 @@ def run_mpi(n: int, args: List[str], *, timeout: float = 300, env: Optional[dict
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        out, err = popen.communicate()
+        out, err = popen.communicate(timeout=60)
         raise AssertionError(f"{' '.join(cmd)} still running after {timeout} s:\n"
                              f"{(out or '')[-4000:]}\n{(err or '')[-4000:]}") from None
     proc = subprocess.CompletedProcess(cmd, popen.returncode, out, err)
@@ -193,7 +193,7 @@ def run_soak_driver(tmp_path: Path, args: List[str], timeout: float) -> Tuple[di
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+        log, _ = proc.communicate(timeout=60)
         raise AssertionError(f"the soak driver itself did not end:\n{log[-4000:]}")
     assert out.exists(), log[-4000:]
     return json.loads(out.read_text()), log

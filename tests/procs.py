@@ -79,3 +79,42 @@ def launch_ranks(text):
                 out[int(env[name])] = pid
                 break
     return out
+
+
+class ChildOutput:
+    """A child's pipe read with a deadline on every wait: ``readline`` never blocks past it
+    (a child that stops writing, or whose lines never match, fails the test, never hangs it)."""
+
+    def __init__(self, stream):
+        self._fd = stream.fileno()
+        self._buffer = b""
+        self._ended = False
+
+    def readline(self, deadline: float) -> str | None:
+        """The next whole line, '' at the end of the output, None when ``deadline``
+        (a ``time.monotonic()`` value) passes first."""
+        import select
+        import time
+
+        while b"\n" not in self._buffer and not self._ended:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([self._fd], [], [], min(left, 1.0))
+            if ready:
+                chunk = os.read(self._fd, 65536)
+                self._buffer += chunk
+                self._ended = not chunk
+        if b"\n" in self._buffer:
+            line, self._buffer = self._buffer.split(b"\n", 1)
+            return line.decode(errors="replace") + "\n"
+        line, self._buffer = self._buffer, b""
+        return line.decode(errors="replace")
+
+    def read_all(self, deadline: float) -> str:
+        """What the child wrote until it ended or ``deadline`` passed (orphans that keep
+        the pipe open cannot hold the reader past it)."""
+        out = []
+        while (line := self.readline(deadline)):
+            out.append(line)
+        return "".join(out)

@@ -93,7 +93,7 @@ class Run:
             out, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.communicate()
+            self.proc.communicate(timeout=60)
             raise AssertionError(f"the job hung:\n{self.stderr()[-4000:]}")
         finally:
             self._err.close()

@@ -739,8 +739,46 @@ def test_a_cancelled_companion_job_is_a_workers_death_not_a_stop_of_the_training
     assert "requeueing" not in out and "stopped on" not in out, out[-3000:]
     assert not records(metrics, "stop")
     assert sacct_state(companion) == "CANCELLED"
+    assert f"companion job {companion} on " in out and "ended CANCELLED" in out, out[-3000:]
     companion_out = "".join(p.read_text() for p in tmp_path.glob(f"*{companion}*"))
     assert f"its companion job of Slurm job {job} is ending" in out + companion_out
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary_of(out)["epochs"])
+
+
+@pytest.mark.slurm
+def test_a_companions_node_failing_is_a_workers_death_not_a_stop_of_the_training(
+        cluster, tmp_path, cancel_leftovers):
+    """Issue 42 item 4: the node under a companion job goes DOWN. The companion ends
+    NODE_FAIL and is not run again (it was submitted --no-requeue); the training counts one
+    worker dead, trains on at 1 worker, never stops or requeues, and ends COMPLETED once the
+    node is back."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
+
+    with JobWatcher() as watch:
+        job, companion, stop, metrics = grown_onto_a_companion(
+            tmp_path, cancel_leftovers, "--sample-log", "samples")
+        node = run_slurm(["squeue", "-h", "-j", companion, "-o", "%N"]).strip()
+        check_node_name(node)
+        run_slurm(["scontrol", "update", f"nodename={node}", "state=down",
+                   "reason=hpcadapt test: node failure"])
+        try:
+            failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
+                               tmp_path)[0]
+            wait_for(lambda: [s for s in records(metrics, "step")
+                              if s["world_size"] == 1 and s["step"] > failure["step"] + 5],
+                     "steps on 1 worker after the node failed", job, tmp_path)
+            wait_for(lambda: sacct_state(companion) not in ("", "RUNNING", "PENDING"),
+                     "the companion's end in the accounting", job, tmp_path)
+        finally:  # the test cluster's ReturnToService may have brought it back already
+            if "down" in run_slurm(["sinfo", "-h", "-n", node, "-o", "%T"]):
+                run_slurm(["scontrol", "update", f"nodename={node}", "state=resume"])
+        out = stop_once_the_node_is_back(watch, job, tmp_path, stop)
+    assert failure["recovered"] and failure["dead"] == [1], failure
+    assert "requeueing" not in out and "stopped on" not in out, out[-3000:]
+    assert not records(metrics, "stop")
+    assert sacct_state(companion) == "NODE_FAIL", sacct_state(companion)
+    assert f"companion job {companion} on {node} ended NODE_FAIL" in out, out[-3000:]
+    assert companions_of(job) in ([companion], [])  # never run again
     assert_each_sample_at_most_once_per_epoch(tmp_path, summary_of(out)["epochs"])
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from procs import alive
+from procs import ChildOutput, alive
 
 FORKED_HOOK = r"""
 import os, sys
@@ -78,7 +78,8 @@ class Stuck(Dataset):
     def __len__(self):
         return 100
     def __getitem__(self, i):
-        print("worker", os.getpid(), flush=True)
+        # One write per line: two workers' prints could interleave into one unreadable line.
+        os.write(1, f"worker {os.getpid()}\n".encode())
         time.sleep(3600)
 
 loader = DataLoader(Stuck(), batch_size=2, num_workers=2,
@@ -100,9 +101,11 @@ def test_loader_workers_die_with_a_rank_killed_by_sigkill():
     proc = subprocess.Popen([sys.executable, "-c", BUSY_RANK], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     workers = set()
+    output, deadline = ChildOutput(proc.stdout), time.monotonic() + 120
     try:
         while len(workers) < 2:
-            line = proc.stdout.readline()
+            line = output.readline(deadline)
+            assert line is not None, f"no two loader workers within 120 s (saw {workers})"
             assert line, "the rank ended before its workers started"
             if line.startswith("worker "):
                 workers.add(int(line.split()[1]))
@@ -114,7 +117,7 @@ def test_loader_workers_die_with_a_rank_killed_by_sigkill():
         assert sweep_dead_worker_dirs() == 2  # their folders, which nobody else removes
     finally:
         proc.kill()
-        proc.wait()
+        proc.wait(timeout=60)
         for w in workers:
             try:
                 os.kill(w, signal.SIGKILL)

@@ -73,7 +73,7 @@ def test_every_policy_under_every_launch_trains(tmp_path, policy, launch, progra
         out, err = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=60)
         pytest.fail(f"{policy} under {launch} ({program}) hung:\n{err[-3000:]}")
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-3000:]}"
     summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])

@@ -23,7 +23,7 @@ def _agent(*command, **kw):
 def _wait_file(path, proc, timeout=60):
     t0 = time.monotonic()
     while not os.path.exists(path):
-        assert proc.poll() is None, proc.communicate()
+        assert proc.poll() is None, proc.communicate(timeout=60)
         assert time.monotonic() - t0 < timeout, f"no {path}"
         time.sleep(0.01)
 

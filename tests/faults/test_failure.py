@@ -21,7 +21,7 @@ import time
 import pytest
 
 from conftest import FULL, ROOT, mpiexec, reap_on_teardown, repeats
-from procs import alive, python_ranks, zombie_children
+from procs import ChildOutput, alive, python_ranks, zombie_children
 from runs import COMMON, Run, every_sample_once, joiner_pids, kill_a_joined_worker
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,8 @@ def _unless_mpich_crashed(run, wait):
     except AssertionError:
         if run.proc.poll() is None:
             raise
-        out = run.proc.stdout.read() if run.proc.stdout is not None else ""
+        out = (ChildOutput(run.proc.stdout).read_all(time.monotonic() + 30)
+               if run.proc.stdout is not None else "")
         if "EXIT CODE: 11" in out or "Segmentation fault" in out:
             run.assert_no_process_left()
             pytest.xfail("MPICH 5.0.2 crashed (SIGSEGV) in a survivor after rank 0's death")

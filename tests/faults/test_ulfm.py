@@ -116,7 +116,7 @@ class Launch:
             self.stdout, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.communicate()
+            self.proc.communicate(timeout=60)
             pytest.fail(f"the job hung:\n{self.stderr()[-4000:]}")
         finally:
             self._err.close()
