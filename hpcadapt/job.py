@@ -100,6 +100,7 @@ class Job:
         # Why it stopped, checkpoints, the resume, the exit code; the stop signals' handlers.
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
+        self._in_epochs = False  # inside job.epochs()' loop body (the loader checks it)
         self.stops = Stops(self, StopSignals.named(o.stops.stop_signals,
                                                    saves=bool(o.stops.checkpoint)).install())
         companion_of = config.take_companion_of()
@@ -155,22 +156,23 @@ class Job:
         ConfigurationError with the reason for unusable input."""
         o = self.options
         if not isinstance(loader, ElasticDataLoader):
-            raise ConfigurationError("the loader must be an hpcadapt.ElasticDataLoader (it "
-                                     "follows the job's global data cursor)")
+            raise on_every_rank(ConfigurationError(
+                "the loader must be an hpcadapt.ElasticDataLoader (it "
+                "follows the job's global data cursor)"))
         if loader.batch_size < self.world.size and not self.membership.joining:
-            raise ConfigurationError(
+            raise on_every_rank(ConfigurationError(
                 f"the global batch size {loader.batch_size} is below the {self.world.size} "
                 f"workers: each needs at least one sample per step; use a batch size of at "
-                f"least {self.world.size}")
+                f"least {self.world.size}"))
         strategy = strategies.from_options(o.steps)
         if strategy.min_workers > max(self.world.size, o.membership.initial_workers or 0) \
                 and not self.membership.joining:
             what = ("a peer to average with" if strategy.pairs_models
                     else "an aggregator (rank 0) and a worker")
-            raise ConfigurationError(
+            raise on_every_rank(ConfigurationError(
                 f"--strategy {strategy.name} needs at least {strategy.min_workers} workers "
                 f"({what}); {self.world.size} is running: start more (mpiexec -n 2 or "
-                f"--initial-workers 2) or use --strategy ssgd")
+                f"--initial-workers 2) or use --strategy ssgd"))
         self.extra = UserState(extra)
         self.extra.check_serialisable()
         setup_checks.schedule_for_policies(self.extra, self.adaptation.engine.policies,
@@ -382,7 +384,8 @@ class Job:
         """Yield the epochs still to train (a resumed or joined worker starts where the job
         stands). The policies' epoch hooks run around each."""
         if count < 1:
-            raise ConfigurationError(f"the number of epochs must be positive, got {count}")
+            raise on_every_rank(ConfigurationError(
+                f"the number of epochs must be positive, got {count}"))
         st = self._require_setup()
         # A resumed job, or a worker that joined a started one, skips the start's hooks; a
         # worker that joined before the first step (--initial-workers) runs them with all.
@@ -404,7 +407,11 @@ class Job:
                 first = False
                 self.recorder.start_epoch()
                 yielded = st.epoch
-                yield st.epoch
+                self._in_epochs = True
+                try:
+                    yield st.epoch
+                finally:
+                    self._in_epochs = False
                 if self.membership.left or self.stopped:
                     break
                 if st.epoch != yielded:
@@ -435,6 +442,13 @@ class Job:
         boundary runs between steps. A rank whose share of a step is empty trains on none
         (its gradient contribution is zero) and yields nothing for that step."""
         st = self._require_setup()
+        if st.sampler.epoch_done and not self._in_epochs:
+            # torch's `for epoch in range(n)` around the loader: hpcadapt keeps the epoch
+            # itself (resume, joins), so the second pass would silently train nothing.
+            raise on_every_rank(ConfigurationError(
+                f"the loader's epoch {st.epoch} is already done and hpcadapt counts epochs "
+                f"itself (for resume and joining workers): write `for epoch in "
+                f"job.epochs(N):` around the loader instead of `for epoch in range(N):`"))
         epoch = st.epoch
         # A recovery may hand this rank the state of a survivor already in the next epoch:
         # this epoch's iteration then ends (job.epochs() goes on from that state).
@@ -593,7 +607,8 @@ class Job:
 
     def _require_setup(self) -> TrainingState:
         if self.state is None:
-            raise ConfigurationError("call job.setup(model, optimizer, loader) first")
+            raise on_every_rank(ConfigurationError(
+                "call job.setup(model, optimizer, loader) first"))
         return self.state
 
 

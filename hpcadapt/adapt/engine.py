@@ -18,7 +18,7 @@ import math
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence
 
-from hpcadapt.base.errors import ConfigurationError, PolicyError
+from hpcadapt.base.errors import ConfigurationError, PolicyError, on_every_rank
 from hpcadapt.base.plan import Plan
 
 from hpcadapt.policies.base import Decision, MetricsSnapshot, Policy
@@ -43,11 +43,11 @@ class PolicyEngine:
         self.lr_rule = lr_rule or LRRule("none", 0)
         for p in self.policies:
             if p.needs_rate_rule and self.lr_rule.rule not in p.needs_rate_rule:
-                raise ConfigurationError(
+                raise on_every_rank(ConfigurationError(
                     f"--policy {p.name} needs --lr-rule {' or '.join(p.needs_rate_rule)} "
                     f"(linear for SGD, sqrt for Adam/AdamW): its batch changes stand in for "
                     f"rate changes only when the rule scales the rate with them; got "
-                    f"--lr-rule {self.lr_rule.rule}")
+                    f"--lr-rule {self.lr_rule.rule}"))
         self.resize_batch = resize_batch
         self._warned: set = set()
 

@@ -17,7 +17,7 @@ from hpcadapt.comm.mpi import MPI
 
 from hpcadapt.base import config
 from hpcadapt.comm.buffers import Array, as_buffer, layout_signature
-from hpcadapt.base.errors import CommunicationError
+from hpcadapt.base.errors import CommunicationError, on_every_rank
 from hpcadapt.comm.world import World, wait_request, world as current_world
 
 __all__ = [
@@ -214,9 +214,9 @@ def check_same_layout(comm: MPI.Intracomm, items: Sequence, *, what: str) -> Non
     wait_request(comm.Iallreduce(MPI.IN_PLACE, pair, op=MPI.MAX), None, f"{what}'s check")
     if pair[0] != -pair[1]:
         mine = ", ".join(f"{tuple(s)}:{d}" for s, d in items)
-        raise CommunicationError(
+        raise on_every_rank(CommunicationError(
             f"{what}: ranks passed tensors of different shapes or dtypes "
-            f"(rank {comm.Get_rank()} has [{mine}]); every rank must pass the same layout")
+            f"(rank {comm.Get_rank()} has [{mine}]); every rank must pass the same layout"))
 
 
 def divide_in_place(buf: np.ndarray, size: int) -> None:

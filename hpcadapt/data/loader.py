@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.base.lifecycle import pid_alive
 from hpcadapt.data.sampler import ElasticSampler, StepSlice
 
@@ -234,8 +234,9 @@ class ElasticDataLoader:
 
     def __iter__(self):
         if self._batches is None:
-            raise ConfigurationError("pass the loader to job.setup(model, optimizer, loader) "
-                                     "before iterating it")
+            raise on_every_rank(ConfigurationError(
+                "pass the loader to job.setup(model, optimizer, loader) "
+                "before iterating it"))
         return self._batches()
 
     @property

@@ -100,11 +100,11 @@ def schedule_for_policies(extra: Mapping[str, Any], policies: Sequence[Any], wor
                                                    and hasattr(v, "step"))]
     for key, sched in schedulers:
         if not isinstance(sched, ProgressLR):
-            raise ConfigurationError(
+            raise on_every_rank(ConfigurationError(
                 f"--policy {readers[0]} follows your learning-rate scheduler "
                 f"(extra[{key!r}], {type(sched).__name__}), which counts steps: the batch it "
                 f"grows would stretch the decay; wrap it as hpcadapt.ProgressLR(scheduler, "
-                f"job) and step that after each job.step (see docs/guides/own-script.md)")
+                f"job) and step that after each job.step (see docs/guides/own-script.md)"))
     if not schedulers:
         say_once(world, "--policy %s found no learning-rate scheduler in job.setup(extra=...): "
                  "it turns the schedule's decay into batch growth, and a constant rate has "

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hpcadapt.base import faults
-from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.comm import world as world_mod
 from hpcadapt.data.loader import WalkKey, split_micro
 from hpcadapt.loop.rounds import BoundedDelayRounds
@@ -161,8 +161,9 @@ class StepRunner:
             self._micro_n = len(indices)
             yield batch
             if self.micro_left == len(micro) - i:
-                raise ConfigurationError("call job.step(loss) once for every batch the "
-                                         "loader yields")
+                raise on_every_rank(ConfigurationError(
+                    "call job.step(loss) once for every batch the "
+                    "loader yields"))
 
     def begin_round(self) -> None:
         """A bounded-delay round's start: its clock, the ramp, the state it may change (a
@@ -251,16 +252,17 @@ class StepRunner:
         and the update (see ``Job.step``)."""
         job = self.job
         if not self.open or self.micro_left <= 0:
-            raise ConfigurationError("job.step(loss) is called once per batch the loader "
-                                     "yields, inside `for batch in loader`")
+            raise on_every_rank(ConfigurationError(
+                "job.step(loss) is called once per batch the loader "
+                "yields, inside `for batch in loader`"))
         if scaler is not None and not scaler.is_enabled():
             scaler = None
         strategy = job.state.strategy
         if scaler is not None and not strategy.averages_gradients:
-            raise ConfigurationError(
+            raise on_every_rank(ConfigurationError(
                 f"mixed precision with a GradScaler needs --strategy ssgd (under "
                 f"{strategy.name} each replica's scaler would skip its own steps "
-                f"and the scales would drift apart); train in bf16 without a scaler instead")
+                f"and the scales would drift apart); train in bf16 without a scaler instead"))
         self.loss_sum += float(loss.detach()) * self._micro_n
         scaled = loss * self._micro_share if self._micro_share != 1.0 else loss
         if self._send is not None:

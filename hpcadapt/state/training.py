@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, Mapping, MutableMapping, Optional
 import torch
 from torch import nn
 
-from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.base.strategies import SSGD, Strategy
 
 __all__ = ["HyperParams", "UserState", "TrainingState", "CHECKPOINT_FORMAT", "read_checkpoint"]
@@ -103,10 +103,10 @@ class UserState(MutableMapping):
                 torch.load(buf, weights_only=True)
             except Exception as exc:  # torch raises several types for unsafe objects
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise ConfigurationError(
+                raise on_every_rank(ConfigurationError(
                     f"user state {key!r} ({type(value).__name__}) cannot be saved or sent to "
                     f"other ranks: {first}. Use tensors, numbers, strings, lists and dicts of "
-                    f"them, or an object with state_dict() and load_state_dict()") from None
+                    f"them, or an object with state_dict() and load_state_dict()")) from None
 
     def state_dict(self) -> Dict[str, Any]:
         return {key: _plain(value) for key, value in self._values.items()}

@@ -472,8 +472,19 @@ RESUMED = re.compile(r"resumed from (\S+) at epoch (\d+), step (\d+)")
 
 
 @pytest.mark.slurm
-def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster, tmp_path,
-                                                                         cancel_leftovers):
+@pytest.mark.parametrize("stop", [
+    (["scancel", "--signal=USR1"], "SIGUSR1"),
+    (["scancel", "--batch", "--signal=USR1"], "SIGUSR1"),
+    (["scancel", "--full", "--signal=USR1"], "SIGUSR1"),
+    (["scontrol", "requeue"], "SIGTERM")], ids=["every-step", "batch-shell", "full", "requeue"])
+def test_a_stopped_job_saves_its_state_and_the_requeued_job_finishes_exactly_once(
+        cluster, tmp_path, cancel_leftovers, stop):
+    """USR1 to the job's steps (the time limit's --signal and `scancel --signal=USR1` send it
+    there), to the batch shell alone (`--batch`, which passes it on) or to both (`--full`,
+    the training takes one stop), or `scontrol requeue` (TERM to every step and the shell):
+    saved, requeued, resumed, COMPLETED, every sample once; the stop line and the requeue
+    line reach the output."""
+    command, signal_name = stop
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
     stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
@@ -483,7 +494,7 @@ def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster
     cancel_leftovers.append(job)
     wait_for(lambda: len(records(metrics, "step")) >= 100, "100 steps in the metrics", job,
              tmp_path)
-    run_slurm(["scancel", "--signal=USR1", job])
+    run_slurm([*command, job])
     resumed = wait_for(lambda: RESUMED.search(output_so_far(tmp_path, job)),
                        "the requeued job resuming from its checkpoint", job, tmp_path)
     epoch_stopped = int(resumed.group(2))
@@ -495,7 +506,8 @@ def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster
     final = JobWatcher().wait_until_gone(job, 300)
     out = job_output(tmp_path, job)
     assert final.state == "COMPLETED", out[-3000:]
-    assert "stopped on SIGUSR1" in out and f"requeueing job {job}" in out
+    assert f"stopped on {signal_name}" in out and f"requeueing job {job}" in out, out[-3000:]
+    assert "not requeued" not in out, out[-3000:]
     assert "(restart 1)" in out and resumed.group(1) == f"hpcadapt-{job}.ckpt"
     shown = parse_key_values(run_slurm(["scontrol", "show", "job", job]))
     assert shown["Restarts"] == "1"
@@ -505,6 +517,46 @@ def test_usr1_saves_the_state_and_the_requeued_job_finishes_exactly_once(cluster
     assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"])
     assert summary["epochs"] > epoch_stopped
     assert not (tmp_path / f"hpcadapt-{job}.ckpt").exists()  # removed once training finished
+
+
+@pytest.mark.slurm
+def test_a_plain_scancel_saves_says_how_to_resume_and_the_resubmission_resumes(
+        cluster, tmp_path, cancel_leftovers):
+    """Issue 42: a plain `scancel` of train.sbatch (TERM to the training and to the batch
+    shell) used to lose the script's last line and leave hpcadapt-JOBID.ckpt under a name no
+    new submission finds. Now the state is saved, the job ends CANCELLED, its output says in
+    one line how to resume (the checkpoint's absolute path), and that command, run as
+    written, resumes at the step and finishes with every sample once per epoch."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    args = UNTIL_STOPPED + ["--metrics-file", "m.jsonl", "--sample-log", "samples",
+                            "--stop-file", str(stop)]
+    with JobWatcher() as watch:
+        job = submit(TRAIN_SBATCH, args, env=job_env(), cwd=str(tmp_path))
+        cancel_leftovers.append(job)
+        wait_for(lambda: len(records(metrics, "step")) >= 20, "20 steps in the metrics", job,
+                 tmp_path)
+        run_slurm(["scancel", job])
+        final = watch.wait_until_gone(job, 300)
+        out = job_output(tmp_path, job)
+        assert final.state == "CANCELLED", out[-3000:]
+        ckpt = tmp_path / f"hpcadapt-{job}.ckpt"
+        assert "stopped on SIGTERM" in out, out[-3000:]
+        said = re.search(r"to resume from its state, submit the same command again with "
+                         r"CHECKPOINT=(\S+)", out)
+        assert said and said.group(1) == str(ckpt) and ckpt.exists(), out[-3000:]
+        again = submit(TRAIN_SBATCH, args, env=job_env(CHECKPOINT=said.group(1)),
+                       cwd=str(tmp_path))
+        cancel_leftovers.append(again)
+        wait_for(lambda: RESUMED.search(output_so_far(tmp_path, again)),
+                 "the resubmitted job resuming from the checkpoint", again, tmp_path)
+        stop.touch()
+        final = watch.wait_until_gone(again, 300)
+    out = job_output(tmp_path, again)
+    assert final.state == "COMPLETED", out[-3000:]
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary_of(out)["epochs"])
+    assert not ckpt.exists()
 
 
 @pytest.mark.slurm

@@ -26,8 +26,17 @@ loader = hpcadapt.ElasticDataLoader(data, batch_size=batch)
 extra = {"lock": threading.Lock()} if args.case == "unserialisable" else {"n": 0}
 if args.case == "step-scheduler":   # counts steps: refused by a schedule-reading policy
     extra = {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)}
+if args.case == "no-setup":         # job.setup forgotten
+    for epoch in job.epochs(2):
+        pass
 job.setup(model, opt, loader, extra=extra)
-for epoch in job.epochs(2):
+if args.case == "step-first":       # job.step before job.epochs and the loader
+    job.step(torch.nn.functional.cross_entropy(model(data.tensors[0][:8]), data.tensors[1][:8]))
+if args.case == "range-loop":       # torch's habit: hpcadapt keeps the epoch itself
+    epochs = range(2)
+else:
+    epochs = job.epochs(2)
+for epoch in epochs:
     for x, y in loader:
         job.step(torch.nn.functional.cross_entropy(model(x), y))
 if args.save_to and job.world.rank == 0:
