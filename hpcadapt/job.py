@@ -131,8 +131,11 @@ class Job:
             self.membership.setup_elastic()
         if not self.membership.joining:
             setup_checks.check_output_folders(o, self.world)
+        # A run that will resume (its checkpoint is there) goes on in its metrics file;
+        # any other starts the file anew.
+        resuming = bool(o.stops.checkpoint) and os.path.exists(o.stops.checkpoint)
         self.recorder = Recorder(None if self.membership.joining else o.recording.metrics_file,
-                                 enabled=self.world.rank == 0)
+                                 enabled=self.world.rank == 0, resuming=resuming)
         if self.world.rank == 0 and not self.membership.joining:
             agent.record_coordinator()  # for the agent's signals, when there is one
         self.state: Optional[TrainingState] = None

@@ -303,13 +303,23 @@ def _time_origin(data: bytes) -> Optional[float]:
 
 
 class MetricsSink:
-    """Appends one JSON object per record to a file; a sink with no path drops records."""
+    """Writes one JSON object per record to a file; a sink with no path drops records.
 
-    def __init__(self, path: Optional[str], *, enabled: bool = True):
+    ``append``: a resumed run goes on in the file its earlier part wrote; a new run starts
+    the file anew (appending would make one story of two runs: the plot would draw a stop
+    and a resume that never happened). Never through a symlink."""
+
+    def __init__(self, path: Optional[str], *, enabled: bool = True, append: bool = True):
         self._file: Optional[IO[str]] = None
         self._t0 = time.perf_counter()
         if path and enabled:
-            self._file = open(path, "a", encoding="utf-8", buffering=1)
+            mode = os.O_APPEND if append else os.O_TRUNC
+            if not append and os.path.isfile(path) and os.path.getsize(path) > 0:
+                log.info("--metrics-file %s held the records of an earlier run and there is "
+                         "no checkpoint to resume from: this run starts it anew", path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | mode,
+                         0o644)
+            self._file = open(fd, "a", encoding="utf-8", buffering=1)
 
     def write(self, record: Any) -> None:
         if self._file is None:

