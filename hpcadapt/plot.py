@@ -1,9 +1,10 @@
 """``python -m hpcadapt.plot METRICS.jsonl [MORE.jsonl ...] -o OUT.png [--metric NAME]``:
 what an adaptive run did, from its metrics file (``--metrics-file``).
 
-One row per quantity, against steps (left) and wall time (right): training loss, test
-accuracy, each ``--metric`` (a user metric of ``job.log_epoch``, or any field of the epoch
-or step lines), workers (world size), global batch size, learning rate, gradient noise scale
+One row per quantity, against steps (left) and wall time (right), or the axes ``--x`` names
+(step, samples, time): training loss, test accuracy, each metric of the eval lines (the
+validation curves of ``job.log_eval``), each ``--metric`` (a user metric of
+``job.log_epoch``, or any field of the epoch or step lines), workers (world size), global batch size, learning rate, gradient noise scale
 (with the batch size beside it) and throughput. A panel whose series has no data in any file
 (the noise scale without a monitor) is left out. Several files (``label=path`` names them)
 are drawn on the same axes, one colour each.
@@ -30,7 +31,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["load_metrics", "prepare", "build_figure", "plot_runs", "summarize", "PANELS",
-           "EVENT_STYLES", "main"]
+           "AXES", "EVENT_STYLES", "main"]
 
 # key, title, event the values come from, log scale
 PANELS: Tuple[Tuple[str, str, str, bool], ...] = (
@@ -181,12 +182,44 @@ def prepare(rows: List[Dict]) -> List[Dict]:
                 # when the resumed job wrote it
                 row["started_wall_s"], row["wall_s"] = row["wall_s"], offset
             out.append(row)
-    return _latest_per(_latest_per(out, "epoch"), "step")
+    return _with_samples_seen(_latest_per(_latest_per(out, "epoch"), "step"))
+
+
+def _with_samples_seen(rows: List[Dict]) -> List[Dict]:
+    """Each row's ``samples_seen`` (the x of ``--x samples``): an eval line's ``samples``;
+    for the others the global batches of the steps up to theirs (a step line's
+    ``batch_size`` is its own batch)."""
+    at_step: Dict[int, float] = {}
+    total = 0.0
+    for r in rows:
+        if r.get("event") == "step" and _num(r.get("batch_size")) is not None:
+            total += float(r["batch_size"])
+            step = _num(r.get("step"))
+            if step is not None:
+                at_step[int(step)] = total
+    steps = sorted(at_step)
+    import bisect
+
+    for r in rows:
+        if r.get("event") == "eval" and _num(r.get("samples")) is not None:
+            r["samples_seen"] = float(r["samples"])
+            continue
+        step = _num(r.get("step"))
+        if step is None or not steps:
+            continue
+        i = bisect.bisect_right(steps, int(step)) - 1
+        r["samples_seen"] = at_step[steps[i]] if i >= 0 else 0.0
+    return rows
+
+
+AXES = {"step": "step", "samples": "samples seen", "time": "wall time (s)"}
 
 
 def _x(row: Dict, axis: str) -> Optional[float]:
     if axis == "step":
         return _num(row.get("step"))
+    if axis == "samples":
+        return _num(row.get("samples_seen"))
     wall = _num(row.get("wall_s"))
     return wall if wall is not None else _num(row.get("time_s"))
 
@@ -280,25 +313,43 @@ Panel = Tuple[str, str, str, bool]
 
 
 def metric_panel(runs: Dict[str, List[Dict]], name: str) -> Panel:
-    """The panel of ``--metric NAME``: from the epoch lines when one has it (a user metric
-    of ``job.log_epoch``), else from the step lines (their fields and monitors). Raises
-    ValueError naming the metrics the epoch lines have when no line has it."""
-    for event in ("epoch", "step"):
+    """The panel of ``--metric NAME``: from the eval lines when one has it (a metric of
+    ``job.log_eval``: the validation curve), else the epoch lines (``job.log_epoch``), else
+    the step lines (their fields and monitors). Raises ValueError naming the metrics the
+    eval and epoch lines have when no line has it."""
+    for event in ("eval", "epoch", "step"):
         if any(_series(rows, event, name, "step")[0] for rows in runs.values()):
             return (name, f"{name} (per {event})", event, False)
-    from hpcadapt.base.metrics import RESERVED_EPOCH_KEYS
+    found = sorted(set(_user_metrics(runs, "eval")) | set(_user_metrics(runs, "epoch")))
+    raise ValueError(f"--metric {name}: no eval, epoch or step line has a number for it (the "
+                     f"eval and epoch lines' own metrics: {', '.join(found) or 'none'})")
 
-    found = sorted({k for rows in runs.values() for r in rows if r.get("event") == "epoch"
-                    for k in r if k not in RESERVED_EPOCH_KEYS and k != "wall_s"})
-    raise ValueError(f"--metric {name}: no epoch or step line has a number for it (the epoch "
-                     f"lines' own metrics: {', '.join(found) or 'none'})")
+
+def _user_metrics(runs: Dict[str, List[Dict]], event: str) -> List[str]:
+    """The user's own metrics of the ``event`` lines (eval or epoch), in first-seen order."""
+    from hpcadapt.base.metrics import RESERVED_EPOCH_KEYS, RESERVED_EVAL_KEYS
+
+    reserved = (RESERVED_EVAL_KEYS if event == "eval" else RESERVED_EPOCH_KEYS) | {
+        "wall_s", "samples_seen"}
+    names: Dict[str, None] = {}
+    for rows in runs.values():
+        for r in rows:
+            if r.get("event") == event:
+                for k, v in r.items():
+                    if k not in reserved and _value(r, k) is not None:
+                        names.setdefault(k, None)
+    return list(names)
 
 
 def present_panels(runs: Dict[str, List[Dict]],
                    metrics: Sequence[str] = ()) -> List[Panel]:
     """The panels with data in at least one run, in ``PANELS`` order, each ``--metric``
-    after the test accuracy. Raises ValueError for a metric no run has."""
-    extra = [metric_panel(runs, name) for name in metrics]
+    after the test accuracy, as is each metric of the eval lines (``job.log_eval``: the
+    validation curves). Raises ValueError for a metric no run has."""
+    extra = [(name, f"{name} (validation, per eval)", "eval", False)
+             for name in _user_metrics(runs, "eval")]
+    extra += [p for p in (metric_panel(runs, name) for name in metrics)
+              if p[0] not in [q[0] for q in extra]]
     out = []
     for panel in PANELS:
         key, _, event, _ = panel
@@ -362,10 +413,15 @@ def _summary_line(label: str, rows: List[Dict]) -> str:
     return ", ".join(parts)
 
 
-def build_figure(runs: Dict[str, List[Dict]], metrics: Sequence[str] = ()):
+def build_figure(runs: Dict[str, List[Dict]], metrics: Sequence[str] = (),
+                 axes_x: Sequence[str] = ("step", "time")):
     """The figure for ``runs`` (label -> metrics rows, as ``load_metrics`` reads them),
-    with a panel for each of ``metrics`` (``--metric``), not yet saved. Raises ValueError
-    when no run has any series to draw, or one of ``metrics``."""
+    with a panel for each of ``metrics`` (``--metric``) and a column for each x axis of
+    ``axes_x`` (step, samples, time), not yet saved. Raises ValueError when no run has any
+    series to draw, or one of ``metrics``."""
+    unknown = [a for a in axes_x if a not in AXES]
+    if unknown or not axes_x:
+        raise ValueError(f"--x {','.join(axes_x)}: choose from {', '.join(AXES)}")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -377,8 +433,8 @@ def build_figure(runs: Dict[str, List[Dict]], metrics: Sequence[str] = ()):
     if not panels:
         raise ValueError("no step or epoch rows with values to plot (is this a metrics file "
                          "written by --metrics-file?)")
-    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 2.7 * len(panels) + 0.8),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(panels), len(axes_x),
+                             figsize=(6.5 * len(axes_x), 2.7 * len(panels) + 0.8), squeeze=False)
     policies: List[str] = []
     for rows in runs.values():
         for r in rows:
@@ -387,7 +443,7 @@ def build_figure(runs: Dict[str, List[Dict]], metrics: Sequence[str] = ()):
     marker_of = {p: _POLICY_MARKERS[i % len(_POLICY_MARKERS)] for i, p in enumerate(policies)}
     colour_of = {label: _RUN_COLOURS[i % len(_RUN_COLOURS)] for i, label in enumerate(runs)}
 
-    for col, axis in enumerate(("step", "time")):
+    for col, axis in enumerate(axes_x):
         for row_i, (key, title, event, log_y) in enumerate(panels):
             ax = axes[row_i][col]
             ax.set_gid(key)
@@ -400,7 +456,7 @@ def build_figure(runs: Dict[str, List[Dict]], metrics: Sequence[str] = ()):
                 if xs:
                     if key == "world_size":
                         ax.step(xs, ys, where="post", color=colour, label=label, linewidth=1.5)
-                    elif event == "epoch":
+                    elif event in ("epoch", "eval"):
                         ax.plot(xs, ys, "o-", color=colour, label=label, linewidth=1,
                                 markersize=3)
                     elif key in ("loss", "samples_per_s") and len(xs) > 60:
@@ -423,7 +479,7 @@ def build_figure(runs: Dict[str, List[Dict]], metrics: Sequence[str] = ()):
             if key == "test_accuracy":
                 ax.set_ylim(top=min(1.02, max(ax.get_ylim()[1], 0.0) + 0.02))
             ax.set_title(title, fontsize=9)
-            ax.set_xlabel("step" if axis == "step" else "wall time (s)", fontsize=8)
+            ax.set_xlabel(AXES[axis], fontsize=8)
             ax.tick_params(labelsize=7)
             ax.grid(alpha=0.2)
             shown = list(handles.values())
@@ -538,12 +594,13 @@ def _draw_decisions(ax, rows: List[Dict], axis: str, panel: str, colour: str,
                                         label=name))
 
 
-def plot_runs(runs: Dict[str, List[Dict]], out: str, metrics: Sequence[str] = ()) -> None:
+def plot_runs(runs: Dict[str, List[Dict]], out: str, metrics: Sequence[str] = (),
+              axes_x: Sequence[str] = ("step", "time")) -> None:
     """Draw ``runs`` (label -> metrics rows) and write the figure to ``out`` (PNG, SVG or
-    PDF by its extension); ``metrics`` as for ``build_figure``."""
+    PDF by its extension); ``metrics`` and ``axes_x`` as for ``build_figure``."""
     import matplotlib.pyplot as plt
 
-    fig = build_figure(runs, metrics)
+    fig = build_figure(runs, metrics, axes_x)
     try:
         fig.savefig(out, dpi=100)
     finally:
@@ -557,8 +614,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("-o", "--output", required=True, help="image file to write (.png, .svg, .pdf)")
     ap.add_argument("--metric", action="append", default=[], metavar="NAME",
                     help="also plot NAME (repeatable): a metric the training passed to "
-                         "job.log_epoch, or any field of the epoch or step lines")
+                         "job.log_epoch or job.log_eval, or any field of the epoch or step "
+                         "lines (the eval lines' metrics are drawn without asking)")
+    ap.add_argument("--x", default="step,time", metavar="AXES",
+                    help="the x axes, one column each, comma-separated from step, samples "
+                         "and time (default: step,time)")
     args = ap.parse_args(argv)
+    axes_x = [a.strip() for a in args.x.split(",") if a.strip()]
     runs = {}
     for item in args.metrics:
         label, sep, path = item.partition("=")
@@ -569,7 +631,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except (OSError, ValueError) as exc:
             ap.error(str(exc))
     try:
-        plot_runs(runs, args.output, args.metric)
+        plot_runs(runs, args.output, args.metric, axes_x)
     except ValueError as exc:
         ap.error(str(exc))
     for label, rows in runs.items():

@@ -545,6 +545,7 @@ def test_a_plain_scancel_saves_says_how_to_resume_and_the_resubmission_resumes(
         assert "stopped on SIGTERM" in out, out[-3000:]
         said = re.search(r"to resume from its state, submit the same command again with "
                          r"CHECKPOINT=(\S+)", out)
+        assert len([l for l in out.splitlines() if "was not requeued" in l]) == 1
         assert said and said.group(1) == str(ckpt) and ckpt.exists(), out[-3000:]
         again = submit(TRAIN_SBATCH, args, env=job_env(CHECKPOINT=said.group(1)),
                        cwd=str(tmp_path))

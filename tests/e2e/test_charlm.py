@@ -237,6 +237,18 @@ def test_the_entry_point_learns_shakespeare_on_two_ranks(tmp_path):
     assert epoch["test_accuracy"] == evals[-1]["val_accuracy"]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["user_metrics"]["val_loss"] == evals[-1]["val_loss"]
+    # Issue 43: the plot draws the validation curves from the eval lines, against steps,
+    # samples and time (it drew one point from the epoch line, and refused val_accuracy).
+    from hpcadapt.plot import build_figure, load_metrics, main as plot_main
+
+    assert plot_main([str(metrics), "-o", str(tmp_path / "lm.png"), "--x", "step,samples,time",
+                      "--metric", "val_accuracy"]) == 0
+    fig = build_figure({"lm": load_metrics(str(metrics))}, (), ("step", "samples", "time"))
+    drawn = {ax.get_gid(): ax for ax in fig.axes if ax.get_xlabel() == "samples seen"}
+    for name in ("val_loss", "val_accuracy"):
+        (line,) = [l for l in drawn[name].get_lines() if l.get_label() == "lm"]
+        assert list(line.get_xdata()) == [1024, 2016, 3000]
+        assert list(line.get_ydata()) == [r[name] for r in evals]
 
 
 @pytest.mark.slow

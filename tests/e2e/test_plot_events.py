@@ -193,7 +193,7 @@ def test_metric_plots_a_user_metric_of_the_epoch_lines(tmp_path):
     proc = plot("--metric", "ema_acc")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1].endswith(
-        "error: --metric ema_acc: no epoch or step line has a number for it (the epoch "
-        "lines' own metrics: ema_accuracy)")
+        "error: --metric ema_acc: no eval, epoch or step line has a number for it (the eval "
+        "and epoch lines' own metrics: ema_accuracy)")
     proc = plot("--metric", "ema_accuracy", "--metric", "samples_per_s")
     assert proc.returncode == 0, proc.stderr
