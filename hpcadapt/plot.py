@@ -45,7 +45,7 @@ PANELS: Tuple[Tuple[str, str, str, bool], ...] = (
 )
 # which panel a decision's change is drawn on
 _CHANGE_PANEL = {"world_size": "world_size", "batch_size": "batch_size", "lr": "lr",
-                 "momentum": "lr"}
+                 "momentum": "lr", "lr_factor": "lr"}
 # run colours: no green or red, which mark resizes
 _RUN_COLOURS = ("C0", "C1", "C4", "C5", "C9", "C6", "C8", "C7")
 _POLICY_MARKERS = ("v", "^", "s", "D", "P", "X", "o", "*")
@@ -274,6 +274,8 @@ def _fmt(key: str, value: Any) -> str:
         return str(value)
     if key in ("world_size", "batch_size"):
         return f"{int(value)}"
+    if key == "lr_factor":
+        return f"x{value:.3g}"
     return f"{value:.3g}"
 
 
@@ -292,7 +294,7 @@ def _decision_label(row: Dict, panel: str) -> str:
     """What a decision changed on ``panel``, e.g. ``batch 24`` or ``lr 0.0245``; changes
     with no panel of their own (``remove_rank``) go with the first."""
     names = {"world_size": "workers", "batch_size": "batch", "lr": "lr", "momentum": "momentum",
-             "remove_rank": "remove rank"}
+             "remove_rank": "remove rank", "lr_factor": "factor"}
     first = _decision_panels(row)[0] == panel
     parts = [f"{names.get(k, k)} {_fmt(k, v)}" for k, v in (row.get("changes") or {}).items()
              if _CHANGE_PANEL.get(k) == panel or (first and k not in _CHANGE_PANEL)]

@@ -83,7 +83,8 @@ class DecisionRecord:
     metrics: Dict[str, float]
     world_size: int
     batch_size: int
-    lr: float
+    lr: float          # the rate the next update uses (the user's times lr_factor)
+    lr_factor: float = 1.0  # the policies' factor on the user's rates
     event: str = "decision"
 
 
@@ -99,7 +100,7 @@ class ResizeRecord:
     cluster_version: int
     world_size: int
     batch_size: int
-    lr: float
+    lr: float          # the rate the next update uses (the user's times lr_factor)
     decision_to_first_step_s: float = float("nan")
     replicas_identical: Optional[bool] = None
     pids: Optional[List[int]] = None   # of the new world's ranks, in rank order

@@ -96,14 +96,23 @@ class Adaptation:
             raise HpcAdaptError(f"a plan of cluster version {plan.version} reached version "
                                 f"{job.world.cluster_version}")
         if job.world.rank == 0:
+            # "lr" in the record and the log line is the rate the updates will use (the
+            # user's rate now times the policies' new factor), never the rule's reference.
+            reference = plan.lr or (plan.ramp[3] if plan.ramp else snap.lr)
+            factor = job.state.rate_factor(reference)
+            user_rate = float(job.optimizer.optimizer.param_groups[0]["lr"])
+            applied = job.state.applied_rate(user_rate, reference)
             for d in plan.decisions:
+                changes = dict(d["changes"])
+                if "lr" in changes:
+                    changes.update(lr=applied, lr_factor=factor)
                 job.recorder.write(DecisionRecord(
-                    step=snap.step, epoch=snap.epoch, policy=d["policy"], changes=d["changes"],
+                    step=snap.step, epoch=snap.epoch, policy=d["policy"], changes=changes,
                     reason=d["reason"], metrics=d["metrics"], world_size=job.world.size,
-                    batch_size=plan.batch_size or snap.batch_size,
-                    lr=plan.lr or (plan.ramp[3] if plan.ramp else snap.lr)))
+                    batch_size=plan.batch_size or snap.batch_size, lr=applied,
+                    lr_factor=factor))
                 log.info("decision at step %d by %s: %s (%s)", snap.step, d["policy"],
-                         d["changes"], d["reason"])
+                         _readable(changes), d["reason"])
         if job.world.rank == 0:
             self.engine.told(decisions, snap)
         # The policies' state after a decision goes to every rank (one small broadcast per
@@ -235,3 +244,16 @@ class Adaptation:
             log.warning("momentum %.3g not applied: the optimizer (%s) has no SGD momentum "
                         "(Adam's betas are left as they are)", momentum,
                         type(job.optimizer.optimizer).__name__)
+
+
+def _readable(changes: dict) -> str:
+    """A decision's changes for the log line: ``batch_size 64, lr 0.00123 (factor x1.41)``."""
+    parts = []
+    for key, value in changes.items():
+        if key == "lr_factor":
+            continue
+        if key == "lr" and "lr_factor" in changes:
+            parts.append(f"lr {value:.3g} (factor x{changes['lr_factor']:.3g} on your rate)")
+        else:
+            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+    return ", ".join(parts)

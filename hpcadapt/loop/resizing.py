@@ -506,7 +506,8 @@ class MembershipChanges:
             step=st.step, epoch=st.epoch, old_size=outcome.old_size,
             new_size=outcome.new_size, reason=outcome.reason, pause_s=outcome.pause_s,
             ok=outcome.ok, cluster_version=self.world.cluster_version,
-            world_size=self.world.size, batch_size=st.hyper.batch_size, lr=st.hyper.lr,
+            world_size=self.world.size, batch_size=st.hyper.batch_size,
+            lr=st.applied_rate(float(self.job.optimizer.optimizer.param_groups[0]["lr"])),
             decision_to_first_step_s=outcome.decision_to_first_step_s,
             replicas_identical=self.identical_after_resize if outcome.ok else None,
             pids=list(self.world.pids) if outcome.ok else None))

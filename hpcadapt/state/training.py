@@ -159,11 +159,16 @@ class TrainingState:
         """The global batch now (the hyper-parameters' one value; what the loader reads)."""
         return self.hyper.batch_size
 
-    def rate_factor(self) -> float:
-        """How far the policies moved the rate: the reference rate now over the one training
-        started with. It multiplies whatever rate the user's optimizer and scheduler hold,
-        during the update only (see ``rates_scaled``)."""
-        return self.hyper.lr / self.origin["lr"]
+    def rate_factor(self, reference: Optional[float] = None) -> float:
+        """How far the policies moved the rate: the reference rate now (or ``reference``)
+        over the one training started with. It multiplies whatever rate the user's optimizer
+        and scheduler hold, during the update only (see ``rates_scaled``)."""
+        return (self.hyper.lr if reference is None else reference) / self.origin["lr"]
+
+    def applied_rate(self, user_rate: float, reference: Optional[float] = None) -> float:
+        """The rate an update uses: the user's (``param_groups``, as their scheduler set it)
+        times the policies' factor; what logs and plots call "lr"."""
+        return user_rate * self.rate_factor(reference)
 
     @property
     def samples_seen(self) -> int:

@@ -473,10 +473,11 @@ RESUMED = re.compile(r"resumed from (\S+) at epoch (\d+), step (\d+)")
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("stop", [
-    (["scancel", "--signal=USR1"], "SIGUSR1"),
-    (["scancel", "--batch", "--signal=USR1"], "SIGUSR1"),
-    (["scancel", "--full", "--signal=USR1"], "SIGUSR1"),
-    (["scontrol", "requeue"], "SIGTERM")], ids=["every-step", "batch-shell", "full", "requeue"])
+    (["scancel", "--signal=USR1"], "SIGUSR1", "requeueing job {job}"),
+    (["scancel", "--batch", "--signal=USR1"], "SIGUSR1", "requeueing job {job}"),
+    (["scancel", "--full", "--signal=USR1"], "SIGUSR1", "requeueing job {job}"),
+    (["scontrol", "requeue"], "SIGTERM", "job {job} is requeued by Slurm")],
+    ids=["every-step", "batch-shell", "full", "requeue"])
 def test_a_stopped_job_saves_its_state_and_the_requeued_job_finishes_exactly_once(
         cluster, tmp_path, cancel_leftovers, stop):
     """USR1 to the job's steps (the time limit's --signal and `scancel --signal=USR1` send it
@@ -484,7 +485,7 @@ def test_a_stopped_job_saves_its_state_and_the_requeued_job_finishes_exactly_onc
     the training takes one stop), or `scontrol requeue` (TERM to every step and the shell):
     saved, requeued, resumed, COMPLETED, every sample once; the stop line and the requeue
     line reach the output."""
-    command, signal_name = stop
+    command, signal_name, requeue_line = stop
     from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
 
     stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
@@ -506,7 +507,8 @@ def test_a_stopped_job_saves_its_state_and_the_requeued_job_finishes_exactly_onc
     final = JobWatcher().wait_until_gone(job, 300)
     out = job_output(tmp_path, job)
     assert final.state == "COMPLETED", out[-3000:]
-    assert f"stopped on {signal_name}" in out and f"requeueing job {job}" in out, out[-3000:]
+    assert f"stopped on {signal_name}" in out, out[-3000:]
+    assert requeue_line.format(job=job) in out, out[-3000:]
     assert "not requeued" not in out, out[-3000:]
     assert "(restart 1)" in out and resumed.group(1) == f"hpcadapt-{job}.ckpt"
     shown = parse_key_values(run_slurm(["scontrol", "show", "job", job]))

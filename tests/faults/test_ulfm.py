@@ -793,3 +793,26 @@ def test_usr1_to_every_step_of_the_ulfm_job_script_requeues_and_resumes(cluster,
     for name in os.listdir(session_tmp):
         if name.startswith("prted.") and name not in daemons_before:
             shutil.rmtree(os.path.join(session_tmp, name), ignore_errors=True)
+
+
+@pytest.mark.slurm
+def test_a_plain_scancel_of_the_ulfm_job_script_says_how_to_resume(cluster, tmp_path,
+                                                                   cancel_leftovers):
+    """Issue 42: a plain `scancel` of slurm/train-ulfm.sbatch (TERM to every step, mpirun's
+    daemons too, and to the batch shell): the user ends the job, so it is not requeued; it
+    ends CANCELLED and its output says in one line how to resume from its checkpoint."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
+
+    session_tmp = os.environ["TMPDIR"]
+    daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
+    job, _, _, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2)
+    subprocess.run(["scancel", job], check=True, timeout=60)
+    final = JobWatcher().wait_until_gone(job, 300)
+    assert final.state == "CANCELLED", said()[-3000:]
+    lines = [l for l in said().splitlines() if "was not requeued (cancelled)" in l]
+    assert len(lines) == 1, said()[-3000:]
+    assert f"CHECKPOINT={tmp_path / f'hpcadapt-{job}.ckpt'}" in lines[0]
+    assert "(restart 1)" not in said() and "requeueing" not in said()
+    for name in os.listdir(session_tmp):  # the daemon the signal killed (see above)
+        if name.startswith("prted.") and name not in daemons_before:
+            shutil.rmtree(os.path.join(session_tmp, name), ignore_errors=True)
