@@ -100,7 +100,6 @@ class Job:
         # Why it stopped, checkpoints, the resume, the exit code; the stop signals' handlers.
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
-        self._in_epochs = False  # inside job.epochs()' loop body (the loader checks it)
         self.stops = Stops(self, StopSignals.named(o.stops.stop_signals,
                                                    saves=bool(o.stops.checkpoint)).install())
         companion_of = config.take_companion_of()
@@ -410,11 +409,8 @@ class Job:
                 first = False
                 self.recorder.start_epoch()
                 yielded = st.epoch
-                self._in_epochs = True
-                try:
+                with self.steps.epoch_body():
                     yield st.epoch
-                finally:
-                    self._in_epochs = False
                 if self.membership.left or self.stopped:
                     break
                 if st.epoch != yielded:
@@ -445,7 +441,7 @@ class Job:
         boundary runs between steps. A rank whose share of a step is empty trains on none
         (its gradient contribution is zero) and yields nothing for that step."""
         st = self._require_setup()
-        if st.sampler.epoch_done and not self._in_epochs:
+        if st.sampler.epoch_done and not self.steps.in_epochs:
             # torch's `for epoch in range(n)` around the loader: hpcadapt keeps the epoch
             # itself (resume, joins), so the second pass would silently train nothing.
             raise on_every_rank(ConfigurationError(

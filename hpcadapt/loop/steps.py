@@ -11,8 +11,8 @@ loop's part of a step is raised to the loop's recovery scope."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-
 import math
 import os
 import time
@@ -54,6 +54,8 @@ class StepRunner:
     (``loop/rounds.py``) use its step-in-flight, control and commit parts."""
 
     def __init__(self, job):
+        #: inside job.epochs()' loop body (a loader pass outside it is refused once done)
+        self.in_epochs = False
         self.job = job
         #: bounded delay's rounds, driven through this runner's methods
         self.rounds = BoundedDelayRounds(job, self)
@@ -164,6 +166,15 @@ class StepRunner:
                 raise on_every_rank(ConfigurationError(
                     "call job.step(loss) once for every batch the "
                     "loader yields"))
+
+    @contextlib.contextmanager
+    def epoch_body(self) -> Iterator[None]:
+        """While the user's loop body of one epoch of ``job.epochs()`` runs."""
+        self.in_epochs = True
+        try:
+            yield
+        finally:
+            self.in_epochs = False
 
     def begin_round(self) -> None:
         """A bounded-delay round's start: its clock, the ramp, the state it may change (a

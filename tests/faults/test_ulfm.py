@@ -604,7 +604,7 @@ def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
 from slurm_cluster import cancel_leftovers, cluster, job_env  # noqa: E402,F401 (fixtures)
 
 
-def _ulfm_job_at_step_20(tmp_path, cancel_leftovers, ntasks):
+def _ulfm_job_at_step_20(tmp_path, cancel_leftovers, ntasks, *extra):
     """slurm/train-ulfm.sbatch until its stop file, on ``ntasks`` ranks; returns (job, stop
     file, metrics, said: the job's output so far) once step 20 is in the metrics."""
     from hpcadapt.slurm.testcluster.watch import submit, wait_for
@@ -612,7 +612,7 @@ def _ulfm_job_at_step_20(tmp_path, cancel_leftovers, ntasks):
     stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
     job = submit(str(ROOT / "slurm" / "train-ulfm.sbatch"),
                  ["--epochs", "100000", "--model", "mlp", "--dataset", "digits", "--threads",
-                  "1", "--metrics-file", str(metrics), "--stop-file", str(stop)],
+                  "1", "--metrics-file", str(metrics), "--stop-file", str(stop), *extra],
                  env=job_env(NTASKS=str(ntasks), MPIRUN_FLAGS="--oversubscribe"),
                  cwd=str(tmp_path))
     cancel_leftovers.append(job)
@@ -800,12 +800,15 @@ def test_a_plain_scancel_of_the_ulfm_job_script_says_how_to_resume(cluster, tmp_
                                                                    cancel_leftovers):
     """Issue 42: a plain `scancel` of slurm/train-ulfm.sbatch (TERM to every step, mpirun's
     daemons too, and to the batch shell): the user ends the job, so it is not requeued; it
-    ends CANCELLED and its output says in one line how to resume from its checkpoint."""
+    ends CANCELLED and its output says so in one line, with how to resume from the state
+    --checkpoint-every saved (mpirun, signalled with the ranks, tears the launch down before
+    they can save on the way out)."""
     from hpcadapt.slurm.testcluster.watch import JobWatcher
 
     session_tmp = os.environ["TMPDIR"]
     daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
-    job, _, _, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2)
+    job, _, _, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2,
+                                           "--checkpoint-every", "5")
     subprocess.run(["scancel", job], check=True, timeout=60)
     final = JobWatcher().wait_until_gone(job, 300)
     assert final.state == "CANCELLED", said()[-3000:]
