@@ -28,7 +28,7 @@ TIMEOUT := timeout --signal=KILL
 UNIT_CAP ?= $(if $(HPCADAPT_TEST_FULL),7200,3000)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup demo test test-long test-unit test-mpi test-openmpi test-ulfm test-train bench bench-quick clean
+.PHONY: setup env demo test test-long test-unit test-mpi test-openmpi test-ulfm test-train bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,10 @@ DEMO_FLAGS := --model cnn --dataset mnist1d --samples 10000 --epochs 30 \
 	--gns-batch-cooldown 40 --lr-rule sqrt \
 	--max-workers 3 --policy resize-schedule --resize-schedule-steps 1:3,2:2 \
 	--resize-schedule-hold 200
+
+# How to enter the environment the documented commands run in (python, mpiexec, hpcadapt-*).
+env: $(STAMP)
+	@echo "source $(VENV)/bin/activate"
 
 demo: $(STAMP)
 	rm -f demo-metrics.jsonl demo.png

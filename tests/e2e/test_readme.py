@@ -172,3 +172,35 @@ def test_the_strategy_command_trains_in_bounded_delay_rounds(folder):
     assert s["strategy"] == "bounded-delay" and s["epochs"] == 3
     assert s["bounded_delay"]["rounds"] >= 3 and s["bounded_delay"]["applied_updates"] > 0
     assert "strategy bounded-delay" in proc.stderr
+
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _block_after(text: str, marker: str) -> str:
+    """The first fenced code block after ``marker`` in ``text``."""
+    rest = text[text.index(marker):]
+    start = rest.index("```\n") + 4
+    return rest[start:rest.index("```", start)]
+
+
+@pytest.mark.skipif(Path(sys.prefix).resolve() != (ROOT / ".venv").resolve(),
+                    reason="the README's environment is .venv (run once, in the MPICH phase)")
+def test_the_readmes_commands_run_as_written_in_a_fresh_shell(tmp_path):
+    """Issue 43: in a fresh shell the README's `mpiexec -n 2 python ...` said `mpiexec: command
+    not found` (nothing said to enter .venv). A shell with the system's PATH only, the
+    README's own line that enters the environment, then its "same run by hand" commands as
+    written: the run trains, grows and shrinks, and the plot is written."""
+    enter = _block_after(README, "enter it once per shell")
+    assert enter.startswith("source .venv/bin/activate")
+    commands = _block_after(README, "the same run by hand")
+    script = f"set -e\ncd {shlex.quote(str(ROOT))}\n{enter}cd {shlex.quote(str(tmp_path))}\n" \
+             f"{commands}"
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8",
+           "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(["bash", "--noprofile", "--norc", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plot written to" in proc.stdout and (tmp_path / "demo.png").exists()
+    rows = complete_rows(tmp_path / "demo-metrics.jsonl")
+    assert {r["world_size"] for r in rows if r.get("event") == "step"} >= {2, 3}
