@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate the validation set (the test split) each time the samples "
                         "seen cross a multiple of this, and at the end (eval lines of the "
                         "metrics file); 0: at epoch ends only")
+    g.add_argument("--save-model", default=None, metavar="PATH",
+                   help="at the end of training, keep the trained model in PATH (weights and "
+                        "what rebuilds the model, written atomically; `python -m "
+                        "hpcadapt.generate PATH` writes text from a charlm)")
     g.add_argument("--threads", type=_threads, default=0,
                    help="torch intra-op threads per rank (0: torch's default)")
     g.add_argument("--loader-workers", type=_non_negative_int, default=0, metavar="N",

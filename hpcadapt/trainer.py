@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.datasets import load_dataset
 from hpcadapt.job import Job
 from hpcadapt.data.loader import ElasticDataLoader
 from hpcadapt.loop.progress import ProgressLR
 from hpcadapt.models import build_model
+from hpcadapt.saved_model import SavedModel, save_model
 
 __all__ = ["run_builtin", "evaluate_accuracy", "evaluate", "schedule_factor", "SCHEDULES"]
 
@@ -122,6 +124,7 @@ def run_builtin(args: argparse.Namespace) -> Dict[str, Any]:
     summary (``job.finish`` exits with 75 after a stop signal)."""
     job = Job(args)
     _check_schedule(args)
+    _check_save_model(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     sizes = {"num_samples": args.samples} if args.samples is not None else {}
@@ -171,4 +174,21 @@ def run_builtin(args: argparse.Namespace) -> Dict[str, Any]:
     if every and not job.stopped and logged_at != job.samples_seen:
         v = validate()
         job.log_eval(val_loss=v["loss"], val_accuracy=v["accuracy"])
+    if args.save_model and not job.stopped and job.world.rank == 0:
+        save_model(args.save_model, SavedModel(
+            model=args.model, input_shape=tuple(data.input_shape),
+            num_classes=data.num_classes, dataset=args.dataset, hidden=list(args.hidden),
+            width=args.width, vocab=data.vocab, state_dict=model.state_dict()))
+        log.info("trained model saved to %s", args.save_model)
     return job.finish()
+
+
+def _check_save_model(args: argparse.Namespace) -> None:
+    """--save-model PATH: its folder must exist and be writable (said at start, not after
+    the training)."""
+    if args.save_model:
+        folder = os.path.dirname(os.path.abspath(args.save_model))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise on_every_rank(ConfigurationError(
+                f"--save-model {args.save_model}: cannot write in {folder} (create it, or "
+                f"pass a path in a folder you can write)"))

@@ -211,10 +211,13 @@ def test_the_entry_point_learns_shakespeare_on_two_ranks(tmp_path):
                        "--optimizer", "adamw", "--lr", str(lr), "--batch-size", str(batch),
                        "--epochs", "1", "--samples", str(samples), "--lr-schedule", "cosine",
                        "--warmup-fraction", "0.05", "--eval-every-samples", str(every),
-                       "--threads", "1", "--no-progress", "--metrics-file", str(metrics)],
+                       "--threads", "1", "--no-progress", "--metrics-file", str(metrics),
+                       "--save-model", str(tmp_path / "lm.pt")],
                    timeout=300)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     evals = [r for r in rows if r["event"] == "eval"]
+    _the_kept_model_is_the_trained_one_and_writes_text(tmp_path / "lm.pt", samples,
+                                                       evals[-1]["val_loss"])
     steps = [r for r in rows if r["event"] == "step"]
     assert [r["samples"] for r in evals] == _expected_eval_points(samples, batch, every) \
         == [1024, 2016, 3000]
@@ -278,3 +281,31 @@ def test_the_example_script_trains_and_logs_evals(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["epochs"] == 1 and summary["world_size"] == 2
     assert summary["user_metrics"]["val_loss"] == evals[-1]["val_loss"]
+
+
+def _the_kept_model_is_the_trained_one_and_writes_text(path, samples, val_loss):
+    """Issue 43: `--save-model` keeps the trained model (the --checkpoint is removed at the
+    end): rebuilt from the file alone it scores the run's last validation loss, and
+    `python -m hpcadapt.generate` writes text from it in the vocabulary it learnt."""
+    from hpcadapt.datasets import load_dataset
+    from hpcadapt.generate import main as generate_main
+    from hpcadapt.saved_model import load_model
+    from hpcadapt.trainer import evaluate
+
+    saved = load_model(str(path))
+    assert (saved.model, saved.dataset, saved.input_shape) == ("charlm", "shakespeare", (64,))
+    data = load_dataset("shakespeare", seed=0, num_samples=samples, context=64)
+    assert evaluate(saved.build(), data.x_test, data.y_test)["loss"] == pytest.approx(
+        val_loss, rel=1e-5)
+    proc = subprocess.run([sys.executable, "-m", "hpcadapt.generate", str(path), "--prompt",
+                           "ROMEO:", "--chars", "80", "--seed", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout[:-1]  # print's newline
+    assert text.startswith("ROMEO:") and len(text) == len("ROMEO:") + 80
+    assert set(text) <= set(saved.vocab)
+    bad = subprocess.run([sys.executable, "-m", "hpcadapt.generate", str(path.parent / "no.pt")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "no such file (write one with hpcadapt-train --save-model " + str(path.parent / "no.pt")
+        + ")")

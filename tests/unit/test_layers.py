@@ -25,6 +25,7 @@ ALLOWED = {
              "slurm"},
 }
 APPS = {"job", "train", "trainer", "args", "plot", "models", "datasets", "agent", "__main__",
+        "saved_model", "generate",
         "__init__"}
 FOLDERS = {"cuda": "cuda", "slurm": "slurm", "policies": "policies"}  # top-level folders
 
