@@ -35,6 +35,7 @@ positive_int = argparse_type(params.positive_int)
 positive_float = argparse_type(params.positive_float)
 _fraction_open = argparse_type(params.fraction_open)
 _non_negative_int = argparse_type(params.non_negative_int)
+_non_negative_float = argparse_type(params.non_negative_float)
 
 
 def _factor(text: str) -> float:
@@ -243,7 +244,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     o.add_argument("--metrics-file", default=None, help="write JSON Lines metrics here (rank 0)")
     o.add_argument("--summary-json", default=None,
                    help="write the run's summary (final accuracy, steps) here (rank 0)")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                   help="no progress: on a terminal a bar (samples done, percent, rate, time "
+                        "left) that log lines print above; elsewhere (a Slurm output file) a "
+                        "line every --progress-every seconds and one at the end")
+    o.add_argument("--progress-every", type=_non_negative_float, default=30.0,
+                   metavar="SECONDS",
+                   help="off a terminal: a progress line every SECONDS (0: every step)")
     o.add_argument("--check-replicas", action="store_true",
                    help="after every resize, compare a digest of the parameters and buffers "
                         "across ranks and record it in the resize line (costs one pass over "

@@ -389,6 +389,7 @@ class Job:
             raise on_every_rank(ConfigurationError(
                 f"the number of epochs must be positive, got {count}"))
         st = self._require_setup()
+        self.monitoring.expect_epochs(count)
         # A resumed job, or a worker that joined a started one, skips the start's hooks; a
         # worker that joined before the first step (--initial-workers) runs them with all.
         resuming = st.started

@@ -39,12 +39,26 @@ def _world_rank() -> Optional[int]:
     return runtime.world().rank if runtime is not None and runtime.is_initialized() else None
 
 
+class _ProgressAwareHandler(logging.StreamHandler):
+    """A log line while a progress bar is on the terminal is printed above the bar (tqdm
+    clears and redraws it), never glued onto it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm = sys.modules.get("tqdm")
+        if tqdm is None or not getattr(tqdm.tqdm, "_instances", None):
+            return super().emit(record)
+        try:
+            tqdm.tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging must not raise
+            self.handleError(record)
+
+
 def setup_logging(rank_of: Callable[[], Union[int, str, None]] = _world_rank) -> None:
     """Log ``[rank N] LEVEL name: message`` to stderr, hpcadapt's records and Python's
     warnings (``warnings.warn``, which printed without a rank); ``rank_of`` returns the
     current rank (it changes across resizes), a name for a process that has none in the
     job yet (``"joiner 1234"``), or None before the world exists."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _ProgressAwareHandler(sys.stderr)
     handler._hpcadapt = True  # type: ignore[attr-defined]
     handler.addFilter(_RankFilter(rank_of))
     handler.setFormatter(logging.Formatter("[%(who)s] %(levelname)s %(name)s: %(message)s"))

@@ -116,6 +116,7 @@ class RecordingOptions:
     metrics_file: Optional[str] = None
     summary_json: Optional[str] = None
     progress: bool = False
+    progress_every: float = 30.0
     sample_log: Optional[str] = None
 
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from hpcadapt.loop.progress_line import ProgressLine
 from hpcadapt.base.metrics import StepRecord
 from hpcadapt.comm.collectives import ReduceOp, communicator
 from hpcadapt.adapt.monitors import MonitorConfig, SplitStep, estimate_from_replicas
@@ -37,6 +38,8 @@ class Monitoring:
         self.job = job
         self.split = SplitStep()  # one replica's noise-scale estimate, from inside the step
         self.config: Optional[MonitorConfig] = None   # set by configure (job.setup)
+        o = job.options.recording
+        self.progress = ProgressLine(o.progress, o.progress_every)  # rank 0 updates it
 
     def configure(self) -> None:
         """The monitors the flags and the policies ask for, measured every ``interval``
@@ -190,9 +193,17 @@ class Monitoring:
             samples_per_s=count / steps.step_time if steps.step_time else 0.0,
             step_time_s=steps.step_time, cluster_version=job.world.cluster_version,
             monitors=self._step_monitors(), betas=used["betas"], lr_groups=used["lr_groups"]))
-        if job.options.recording.progress and job.world.rank == 0 and st.step % 20 == 0:
-            sys.stderr.write(f"\repoch {st.epoch} step {st.step} loss {steps.last_loss:.4f} "
-                             f"batch {st.hyper.batch_size} on {job.world.size} workers   ")
+        if job.world.rank == 0:
+            self.progress.update(seen=st.samples_seen, epoch=st.epoch, step=st.step,
+                                 loss=steps.last_loss, batch=st.hyper.batch_size,
+                                 workers=job.world.size)
+
+    def expect_epochs(self, count: int) -> None:
+        """``job.epochs(count)``: the run's length, for the progress line's total."""
+        self.progress.expect(count * self.job.state.sampler.num_samples)
+
+    def end_progress(self) -> None:
+        self.progress.close()
 
     def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: Any) -> None:
         """``job.log_epoch`` (its docstring says what is recorded and what is refused)."""

@@ -264,8 +264,7 @@ class Stops:
         summary = self.summary()
         self.close_loader()
         if job.world.rank == 0:
-            if job.options.recording.progress:
-                sys.stderr.write("\n")
+            job.monitoring.end_progress()
             print(json.dumps(summary), flush=True)
             if job.options.recording.summary_json:
                 with open(job.options.recording.summary_json, "w", encoding="utf-8") as f:

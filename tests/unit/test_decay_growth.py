@@ -9,6 +9,7 @@ import pytest
 
 from hpcadapt import ConfigurationError
 from hpcadapt.adapt.engine import PolicyEngine
+from hpcadapt.base.options import RecordingOptions
 from hpcadapt.policies import POLICIES, DecayGrowth, GNSBatchSize, LRRule, MetricsSnapshot
 from hpcadapt.trainer import schedule_factor
 
@@ -205,7 +206,8 @@ def test_the_policy_s_monitor_memory_unless_the_flag_sets_one():
 
     def configured(window_flag):
         options = types.SimpleNamespace(monitoring=types.SimpleNamespace(
-            monitors=(), monitor_interval=1, monitor_ema=0.1, monitor_window=window_flag))
+            monitors=(), monitor_interval=1, monitor_ema=0.1, monitor_window=window_flag),
+            recording=RecordingOptions())
         engine = PolicyEngine([DecayGrowth()], LRRule("sqrt", 8))
         m = Monitoring(types.SimpleNamespace(options=options, adaptation=types.SimpleNamespace(
             engine=engine)))
