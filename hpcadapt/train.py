@@ -96,12 +96,39 @@ def _names(module: str, table: str, builtin: tuple) -> list:
     return sorted(set(builtin) | set(getattr(loaded, table, ())))
 
 
+USAGE = ("mpiexec -n N python -m hpcadapt.train [OPTIONS]\n"
+         "       (or hpcadapt-train; srun --mpi=pmi2 ... inside a Slurm job)")
+
+# Each line after "$ " is a command a test parses (tests/e2e/test_cli.py).
+EXAMPLES = """Adaptive data-parallel training over MPI.
+
+examples:
+  a CNN on MNIST-1D, 2 ranks:
+    $ mpiexec -n 2 python -m hpcadapt.train --dataset mnist1d --model cnn --epochs 10
+  the batch grows with the gradient noise scale, the rate by the square-root rule:
+    $ mpiexec -n 2 python -m hpcadapt.train --dataset mnist1d --model cnn --policy gns-batch --gns-batch-max 256 --lr-rule sqrt
+  grow to 4 workers at step 20, back to 2 at step 200:
+    $ mpiexec -n 2 python -m hpcadapt.train --max-workers 4 --policy resize-schedule --resize-schedule-steps 20:4,200:2
+  preemptible: USR1 or TERM saves the state (exit 75); the same command resumes:
+    $ mpiexec -n 2 python -m hpcadapt.train --epochs 50 --checkpoint run.ckpt --metrics-file run.jsonl
+  a character-level language model, kept at the end:
+    $ mpiexec -n 2 python -m hpcadapt.train --dataset shakespeare --model charlm --optimizer adamw --lr 3e-3 --lr-schedule cosine --eval-every-samples 2000 --save-model lm.pt
+  on Slurm: sbatch slurm/train.sbatch [OPTIONS] (docs/guides/slurm.md)
+
+the options below, by area: training; policies (--policy, then one group per policy);
+learning-rate rule; monitoring; synchronisation strategy; steps and memory; device; elastic
+workers; preemption and requeue; output."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+    """The examples as written; each option with its default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="hpcadapt-train",
-        description="Adaptive data-parallel training over MPI. Launch with "
-                    "`mpiexec -n N python -m hpcadapt.train ...` or `srun --mpi=pmi2 ...`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog="hpcadapt-train", usage=USAGE, description=EXAMPLES,
+        formatter_class=_HelpFormatter)
     g = p.add_argument_group("training")
     g.add_argument("--model", choices=_names("models", "MODELS", MODEL_NAMES), default="mlp",
                    help="built-in model (charlm: a small character-level transformer, for "

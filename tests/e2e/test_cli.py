@@ -57,6 +57,27 @@ def test_help_runs_as_a_module():
     assert out.returncode == 0 and "--metrics-file" in out.stdout
 
 
+def test_help_starts_with_examples_that_parse_and_a_short_usage():
+    """Issue 43: --help was 538 lines with no examples, and 110 of usage first. Now: a
+    two-line usage, then examples, each a command the parser takes as written; the long
+    list still follows, by area."""
+    import shlex
+
+    from hpcadapt.train import build_parser
+
+    text = build_parser().format_help()
+    head = text.split("options:")[0].splitlines()
+    assert head[0].startswith("usage: mpiexec -n N python -m hpcadapt.train") and len(head) < 30
+    commands = [line.split("$ ", 1)[1] for line in head if line.strip().startswith("$ ")]
+    assert len(commands) >= 5
+    for command in commands:
+        words = shlex.split(command)
+        assert words[:5] == ["mpiexec", "-n", "2", "python", "-m"], command
+        build_parser().parse_args(words[6:])  # exits 2 on a flag it does not take
+    for area in ("training:", "policy gns-batch:", "elastic workers:", "output:"):
+        assert f"\n{area}\n" in text
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--max-workers", "2", "--initial-workers", "3"], "--initial-workers 3 is above --max-workers 2"),
     (["--initial-workers", "3"], "--initial-workers needs --max-workers"),
