@@ -179,6 +179,8 @@ class Job:
         self.extra.check_serialisable()
         setup_checks.schedule_for_policies(self.extra, self.adaptation.engine.policies,
                                            self.world)
+        setup_checks.step_scheduler_under_a_batch_policy(
+            optimizer, self.adaptation.engine.policies, o.adaptation.resize_batch, self.world)
         self.stops.expect_identity(identity)
         self.model, self.loader = model, loader
         plane = setup_checks.data_plane(model, o, self.device, self.device_choice)

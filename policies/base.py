@@ -148,7 +148,9 @@ class Policy:
     ``monitor_window``: the noise-scale monitor's memory in samples it wants when
     ``--monitor-window`` is left at 0 (the longest any policy asks for wins).
     ``reads_schedule``: it follows the user's scheduler, which must then be keyed on samples
-    (``hpcadapt.ProgressLR``), checked at ``job.setup``."""
+    (``hpcadapt.ProgressLR``), checked at ``job.setup``.
+    ``changes_batch``: it changes the global batch, so a scheduler counting steps would end
+    early or late (said once at ``job.setup``)."""
 
     name: ClassVar[str] = ""
     params: ClassVar[Tuple[Param, ...]] = ()
@@ -157,6 +159,7 @@ class Policy:
     interval: int = 1
     needs_rate_rule: ClassVar[Tuple[str, ...]] = ()
     reads_schedule: ClassVar[bool] = False
+    changes_batch: ClassVar[bool] = False
     monitor_window: ClassVar[int] = 0
 
     def before_train(self, snap: MetricsSnapshot) -> Optional[Decision]:

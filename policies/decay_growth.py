@@ -57,6 +57,7 @@ __all__ = ["DecayGrowth"]
 
 class DecayGrowth(Policy):
     name = "decay-growth"
+    changes_batch = True
     params = (
         Param("max", positive_int, 4096, "largest global batch; later halvings stay rate decay"),
         Param("margin", positive_float, 1.5,

@@ -57,6 +57,7 @@ def _confidence(text: str) -> float:
 
 class GNSBatchSize(Policy):
     name = "gns-batch"
+    changes_batch = True
     params = (
         Param("min", positive_int, 16, "smallest global batch the policy sets"),
         Param("max", positive_int, 1024, "largest global batch the policy sets"),

@@ -40,6 +40,7 @@ class Goodput(Policy):
     """Pollux's goodput: batch size, accumulation and workers from a fitted model."""
 
     name = "goodput"
+    changes_batch = True
     params = (
         Param("min", positive_int, 16, "smallest global batch the policy sets"),
         Param("max", positive_int, 1024, "largest global batch the policy sets"),

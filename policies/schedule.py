@@ -23,6 +23,7 @@ __all__ = ["Schedule"]
 
 class Schedule(Policy):
     name = "schedule"
+    changes_batch = True
     params = (
         Param("unit", choice(("step", "epoch")), "step", "schedule points count steps or epochs"),
         Param("batch", step_map(positive_int), [], "global batch sizes, e.g. 0:32,200:64"),

@@ -37,6 +37,7 @@ def halving_points(samples: int, count: int = 30) -> List[int]:
 
 class Seesaw(Policy):
     name = "seesaw"
+    changes_batch = True
     params = (
         Param("samples", non_negative_int, 0, "the training budget in samples the cosine spans"),
         Param("max", positive_int, 4096, "largest global batch; later halvings go to the rate"),

@@ -31,6 +31,10 @@ class ProgressLR:
         self.scheduler = scheduler
         self.job = job
         self.key = key
+        # The optimizer's scheduler is keyed on progress (job.setup's check reads this).
+        optimizer = getattr(scheduler, "optimizer", None)
+        if optimizer is not None:
+            optimizer._hpcadapt_progress_lr = True
 
     @property
     def last_epoch(self) -> int:

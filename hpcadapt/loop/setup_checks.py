@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
-from hpcadapt.base.options import JobOptions
+from hpcadapt.base.options import RESIZING_POLICIES, JobOptions
 from hpcadapt.base.paths import unwritable
 from hpcadapt.comm.tell import root_tells
 
@@ -83,6 +83,27 @@ def say_once(world, message: str, *args: Any) -> None:
     """A warning every rank reaches alike, printed by rank 0."""
     if world.rank == 0:
         log.warning(message, *args)
+
+
+def step_scheduler_under_a_batch_policy(optimizer: Any, policies: Sequence[Any],
+                                        resize_batch: str, world) -> None:
+    """A torch scheduler on ``optimizer`` (it set ``initial_lr`` in the groups) that is not
+    wrapped in ``hpcadapt.ProgressLR``, under a policy that changes the global batch: its
+    arithmetic counts steps, which the batch changes stretch or shrink (OneCycleLR over
+    ``epochs * len(loader)`` ended inside its warm-up). Said once, at setup."""
+    changers = [f"--policy {p.name}" for p in policies if getattr(p, "changes_batch", False)]
+    if resize_batch == "keep-local":
+        changers += [f"--policy {p.name} under --resize-batch keep-local" for p in policies
+                     if p.name in RESIZING_POLICIES]
+    groups = getattr(optimizer, "param_groups", [])
+    if not changers or not any("initial_lr" in g for g in groups) \
+            or getattr(optimizer, "_hpcadapt_progress_lr", False):
+        return
+    say_once(world, "your optimizer has a learning-rate scheduler that counts steps, and %s "
+             "changes the global batch: the schedule will end early (a larger batch takes "
+             "fewer steps) or late; wrap it as hpcadapt.ProgressLR(scheduler, job), which "
+             "steps it by samples seen, and register it in job.setup(extra=...) (see "
+             "docs/guides/own-script.md)", changers[0])
 
 
 def schedule_for_policies(extra: Mapping[str, Any], policies: Sequence[Any], world) -> None:

@@ -454,3 +454,19 @@ def test_a_new_run_starts_its_metrics_file_anew_and_a_resume_goes_on_in_it(tmp_p
     steps = [r for r in load_metrics(str(m)) if r.get("event") == "step"]
     assert len(steps) == summary["steps"] and steps[0]["step"] == 1
     assert "held the records of an earlier run" in proc.stderr
+
+
+@pytest.mark.parametrize("case,said", [("onecycle", 1), ("onecycle-progress", 0)])
+def test_a_step_keyed_scheduler_under_a_batch_policy_is_said_once(case, said):
+    """Issue 43: OneCycleLR(total_steps=epochs * len(loader)) stepped after each job.step,
+    under --policy gns-batch: the batch grew and training ended inside the warm-up, silently.
+    Now job.setup says once what will happen and what to use; wrapped in ProgressLR, nothing
+    is said."""
+    proc = run_mpi(2, [str(SCRIPTS / "bad_input.py"), "--case", case, "--no-progress",
+                       "--policy", "gns-batch", "--gns-batch-max", "64"], timeout=300)
+    lines = [line for line in proc.stderr.splitlines()
+             if "has a learning-rate scheduler that counts steps" in line]
+    assert len(lines) == said, proc.stderr[-3000:]
+    if said:
+        assert "--policy gns-batch changes the global batch" in lines[0]
+        assert "hpcadapt.ProgressLR(scheduler, job)" in lines[0]

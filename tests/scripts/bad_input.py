@@ -26,6 +26,11 @@ loader = hpcadapt.ElasticDataLoader(data, batch_size=batch)
 extra = {"lock": threading.Lock()} if args.case == "unserialisable" else {"n": 0}
 if args.case == "step-scheduler":   # counts steps: refused by a schedule-reading policy
     extra = {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, 10)}
+onecycle = None
+if args.case in ("onecycle", "onecycle-progress"):  # stepped by the script after job.step
+    onecycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=8)
+    if args.case == "onecycle-progress":
+        onecycle = extra["scheduler"] = hpcadapt.ProgressLR(onecycle, job)
 if args.case == "no-setup":         # job.setup forgotten
     for epoch in job.epochs(2):
         pass
@@ -38,7 +43,8 @@ else:
     epochs = job.epochs(2)
 for epoch in epochs:
     for x, y in loader:
-        job.step(torch.nn.functional.cross_entropy(model(x), y))
+        if job.step(torch.nn.functional.cross_entropy(model(x), y)) and onecycle is not None:
+            onecycle.step()
 if args.save_to and job.world.rank == 0:
     job.save_checkpoint(args.save_to)
 job.finish()
