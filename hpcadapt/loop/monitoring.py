@@ -8,21 +8,19 @@ attributes."""
 
 from __future__ import annotations
 
-import logging
-
 import hashlib
+import logging
 import math
-import sys
 from dataclasses import asdict
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
-from hpcadapt.loop.progress_line import ProgressLine
 from hpcadapt.base.metrics import StepRecord
 from hpcadapt.comm.collectives import ReduceOp, communicator
 from hpcadapt.adapt.monitors import MonitorConfig, SplitStep, estimate_from_replicas
+from hpcadapt.loop.progress_line import ProgressLine
 from hpcadapt.parallel.optimizer import GradientStats
 
 __all__ = ["Monitoring"]

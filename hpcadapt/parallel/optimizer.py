@@ -523,15 +523,12 @@ class DistributedOptimizer:
         self._launched += 1
         state.handle = self._comm.allreduce_async(bucket.flat, ReduceOp.SUM)
         state.launched = True
-        if self._launched == len(self._buckets):
+        if self._launched == len(self._buckets) and not self.track_grad_norms:
             # Last bucket of this step on this rank (backward is done): the control
-            # values follow in their own reduction. The norm reaches the host only on
-            # monitored steps.
-            local = 0.0
-            if self.track_grad_norms:
-                norms = [b.sqnorm.double() for b in self._buckets if b.sqnorm is not None]
-                local = float(torch.stack(norms).sum()) * self._share()
-            self._start_control(local)
+            # values follow in their own reduction. On a monitored step they wait for
+            # synchronize, which brings this rank's squared norm to the host there, with
+            # the global one, in one transfer: nothing waits for the device inside backward.
+            self._start_control(0.0)
 
     def _share(self) -> float:
         return self._weight if self._weight is not None else 1.0 / self._world.size
@@ -565,9 +562,16 @@ class DistributedOptimizer:
             if self.track_grad_norms:
                 payload = state.bucket.payload
                 squares.append(torch.dot(payload, payload).double())
+        global_sq = 0.0
+        if self.track_grad_norms:
+            # A monitored step's one transfer of gradient data to the host (a sync on a
+            # GPU, after backward): this rank's squared norm and the averaged one's.
+            local = torch.stack([b.sqnorm.double() for b in self._buckets
+                                 if b.sqnorm is not None]).sum() * self._share()
+            norms = torch.stack([local, torch.stack(squares).sum()]).cpu()
+            local_sq, global_sq = (float(v) for v in norms.numpy())
+            self._start_control(local_sq)
         host = self._finish_control()
-        # a monitored step's one transfer of gradient data to the host (a sync on a GPU)
-        global_sq = float(torch.stack(squares).sum()) if squares else 0.0
         self.last_stats = GradientStats(float(host[0]), global_sq,
                                         host[1:self._extra_slots + 1].copy())
         if self._model_avg is not None:

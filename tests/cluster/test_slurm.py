@@ -894,3 +894,51 @@ def test_two_jobs_on_one_checkpoint_the_second_is_refused_and_the_first_keeps_it
     out = job_output(tmp_path, first)
     assert final.state == "COMPLETED", out[-3000:]
     assert not ckpt.exists() and not (tmp_path / "shared.ckpt.owner").exists()
+
+
+GUIDE = (ROOT / "docs" / "guides" / "slurm.md").read_text(encoding="utf-8")
+
+
+def guide_command(start: str) -> str:
+    """The Slurm guide's command that starts with ``start``, its continuation lines joined,
+    as written (a `# comment` after it dropped)."""
+    lines = GUIDE.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(start))
+    command = lines[i]
+    while command.rstrip().endswith("\\"):
+        i += 1
+        command = command.rstrip()[:-1] + " " + lines[i].strip()
+    return command.split("  #")[0].strip()
+
+
+def run_as_written(command: str, folder: Path) -> str:
+    """``command`` in bash in ``folder``, which holds the repository's slurm/ and the
+    environment (links), as a user's checkout would; returns the job id sbatch printed."""
+    for name in ("slurm", ".venv", "examples"):
+        if not (folder / name).exists():
+            (folder / name).symlink_to(ROOT / name)
+    proc = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], cwd=folder,
+                          env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    said = re.search(r"Submitted batch job (\d+)", proc.stdout)
+    assert said, proc.stdout
+    return said.group(1)
+
+
+@pytest.mark.slurm
+def test_the_slurm_guides_first_job_runs_as_written(cluster, tmp_path, cancel_leftovers):
+    """Issue 42: the guide's first command, as written (`PYTHON=$PWD/.venv/bin/python
+    MAX_NODES=3 sbatch slurm/train.sbatch ...`), from a checkout: the job grows to 3 nodes
+    and back, ends COMPLETED in sacct, and its output holds the summary."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
+
+    command = guide_command("PYTHON=$PWD/.venv/bin/python MAX_NODES=3 sbatch slurm/train.sbatch")
+    job = run_as_written(command, tmp_path)
+    cancel_leftovers.append(job)
+    final = JobWatcher().wait_until_gone(job, 600)
+    out = job_output(tmp_path, job)
+    assert final.state == "COMPLETED" and sacct_state(job) == "COMPLETED", out[-3000:]
+    summary = summary_of(out)
+    assert [(r["old_size"], r["new_size"], r["ok"]) for r in summary["resizes"]] == [
+        (1, 3, True), (3, 1, True)]
+    assert summary["epochs"] == 40 and summary["final_test_accuracy"] >= 0.9

@@ -819,3 +819,34 @@ def test_a_plain_scancel_of_the_ulfm_job_script_says_how_to_resume(cluster, tmp_
     for name in os.listdir(session_tmp):  # the daemon the signal killed (see above)
         if name.startswith("prted.") and name not in daemons_before:
             shutil.rmtree(os.path.join(session_tmp, name), ignore_errors=True)
+
+
+@pytest.mark.slurm
+def test_the_slurm_guides_ulfm_job_runs_as_written(cluster, tmp_path, cancel_leftovers):
+    """Issue 42: the Slurm guide's ULFM command, as written (`PYTHON=$PWD/.venv-openmpi/bin/
+    python sbatch -N 2 --ntasks-per-node=2 slurm/train-ulfm.sbatch --epochs 20`), from a
+    checkout: 4 ranks on 2 nodes, COMPLETED in sacct, the summary in the output."""
+    import json
+    import re
+
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
+
+    if not (ROOT / ".venv-openmpi" / "bin" / "python").exists():
+        pytest.skip("the guide's command runs .venv-openmpi (make setup MPI=openmpi)")
+    lines = (ROOT / "docs" / "guides" / "slurm.md").read_text(encoding="utf-8").splitlines()
+    (command,) = [l for l in lines if l.startswith("PYTHON=$PWD/.venv-openmpi/bin/python sbatch")]
+    for name in ("slurm", ".venv-openmpi"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    proc = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], cwd=tmp_path,
+                          env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
+    cancel_leftovers.append(job)
+    final = JobWatcher().wait_until_gone(job, 600)
+    out = (tmp_path / f"hpcadapt-ulfm-{job}.out").read_text()
+    assert final.state == "COMPLETED", out[-3000:]
+    accounted = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job, "-o", "State"],
+                               capture_output=True, text=True, timeout=60).stdout.split()
+    assert accounted[-1:] == ["COMPLETED"], accounted
+    summary = json.loads([l for l in out.splitlines() if l.startswith("{")][-1])
+    assert summary["epochs"] == 20 and summary["world_size"] == 4, summary
