@@ -211,7 +211,9 @@ class StepRunner:
         job.monitoring.split.reset()
         opt.set_local_weight(part.weight)
         opt.set_extra_slots(self.control_layout().length)
-        opt.zero_grad()
+        # The buckets zeroed in place and .grad left as their views: backward accumulates
+        # into the buckets, and the hooks have nothing to copy (DDP's gradient_as_bucket_view).
+        opt.zero_grad(set_to_none=False)
         # --slow-compute: before forward, (F - 1) x the last step's own compute (the sleep
         # left out of it, or each step's sleep would feed the next one's)
         self.open_step()

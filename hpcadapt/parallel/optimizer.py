@@ -141,6 +141,9 @@ class DistributedOptimizer:
         self._buckets: List[_BucketState] = []
         self._param_bucket: Dict[torch.nn.Parameter, _BucketState] = {}
         self._param_offset: Dict[torch.nn.Parameter, int] = {}
+        # the address of each parameter's bucket slot: a hook whose .grad is already the
+        # slot (every step after the first) has nothing to copy and builds no view
+        self._slot_ptr: Dict[torch.nn.Parameter, int] = {}
         self._ready: set = set()
         self._launched = 0
         self._hooks = []
@@ -183,7 +186,9 @@ class DistributedOptimizer:
         else:
             for b in self._buckets:
                 b.bucket.flat.zero_()
-            self._reattach_views()
+            slot = self._slot_ptr
+            if any(p.grad is None or p.grad.data_ptr() != slot[p] for _, p in self._named):
+                self._reattach_views()
 
     def step(self, closure=None):
         """Average the gradients (unless ``synchronize()`` already did since the last
@@ -448,11 +453,13 @@ class DistributedOptimizer:
         self._reset_step()
 
     def _reattach_views(self) -> None:
+        self._slot_ptr = {}
         for state in self._buckets:
             offset = 0
             for p in state.params:
                 n = p.numel()
                 view = state.bucket.flat[offset:offset + n].view_as(p)
+                self._slot_ptr[p] = view.data_ptr()
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     if p.grad is not None:
                         view.copy_(p.grad)
@@ -481,14 +488,15 @@ class DistributedOptimizer:
                 "optimizer.no_sync() to accumulate gradients")
         self._ready.add(p)
         state = self._param_bucket[p]
-        self._take_gradient(p, ready=True)
+        g = p.grad
+        if g is None or g.data_ptr() != self._slot_ptr[p]:
+            self._take_gradient(p, ready=True)  # the first step, or a new .grad
         state.pending -= 1
-        if self._hook_failure is not None:
-            return  # the step is given up; synchronize raises the failure
+        if self._hook_failure is not None or state.pending:
+            return  # the step is given up (synchronize raises the failure), or more to come
         try:
-            if state.pending == 0:
-                self._launch(state)
-            # Drive MPI's progress engine for collectives already in flight.
+            self._launch(state)
+            # Drive MPI's progress engine for collectives already in flight (once a bucket).
             for b in self._buckets:
                 if b.handle is not None and not b.handle.test():
                     break
@@ -496,28 +504,26 @@ class DistributedOptimizer:
             self._hook_failure = _runtime.as_failure(exc, "a gradient allreduce's start")
 
     def _take_gradient(self, p: torch.nn.Parameter, ready: bool) -> None:
-        """Move ``p``'s gradient into its bucket slot, scaled by this rank's share, and make
-        ``p.grad`` a view of the slot. A parameter whose hook did not fire this step (unused
-        in the forward pass) contributes zeros."""
+        """Move ``p``'s gradient into its bucket slot and make ``p.grad`` a view of the slot
+        (the rank's share is applied to the whole bucket at its launch). A parameter whose
+        hook did not fire this step (unused in the forward pass) contributes zeros."""
         state = self._param_bucket[p]
         offset = self._param_offset[p]
         view = state.bucket.flat[offset:offset + p.numel()].view_as(p)
         g = p.grad
-        weight = self._share()
         if g is None or (not ready and g.data_ptr() == view.data_ptr()):
             view.zero_()
-        elif g.data_ptr() == view.data_ptr():
-            if weight != 1.0:
-                view.mul_(weight)
-        else:
-            torch.mul(g, weight, out=view)
+        elif g.data_ptr() != view.data_ptr():
+            view.copy_(g)
         p.grad = view
 
     def _launch(self, state: _BucketState) -> None:
         bucket = state.bucket
         payload = bucket.payload
+        w = self._share()
+        if w != 1.0:
+            payload.mul_(w)  # this rank's share, once for the bucket
         if self.track_grad_norms:
-            w = self._share()
             # payload holds w * g_i: divide the scale back out of the squared norm
             state.sqnorm = torch.dot(payload, payload) / (w * w) if w > 0 else payload.new_zeros(())
         self._launched += 1
