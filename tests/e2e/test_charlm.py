@@ -148,6 +148,7 @@ def test_the_model_is_causal():
 
 def test_log_eval_writes_one_eval_line(tmp_path):
     """``Monitoring.log_eval`` on a stand-in for the job's parts: the line's fields."""
+    from hpcadapt.base.options import RecordingOptions
     from hpcadapt.loop.monitoring import Monitoring
     from hpcadapt.loop.recording import Recorder
 
@@ -157,7 +158,8 @@ def test_log_eval_writes_one_eval_line(tmp_path):
         _require_setup=lambda: st, samples_seen=1500, epoch_progress=1.25,
         steps=types.SimpleNamespace(last_rate=lambda: 0.002),
         recorder=Recorder(str(path), enabled=True),
-        world=types.SimpleNamespace(size=2, rank=0, cluster_version=3))
+        world=types.SimpleNamespace(size=2, rank=0, cluster_version=3),
+        options=types.SimpleNamespace(recording=RecordingOptions()))
     monitoring = Monitoring(job)
     monitoring.log_eval(val_loss=torch.tensor(1.5), val_accuracy=np.float32(0.5), n=3)
     with pytest.raises(ConfigurationError, match="log_eval: the metric name 'samples' is a "
