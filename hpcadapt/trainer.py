@@ -13,11 +13,12 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hpcadapt.base.errors import ConfigurationError, on_every_rank
+from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.datasets import load_dataset
 from hpcadapt.job import Job
 from hpcadapt.data.loader import ElasticDataLoader
 from hpcadapt.loop.progress import ProgressLR
+from hpcadapt.loop.setup_checks import agree
 from hpcadapt.models import build_model
 from hpcadapt.saved_model import SavedModel, save_model
 
@@ -124,7 +125,7 @@ def run_builtin(args: argparse.Namespace) -> Dict[str, Any]:
     summary (``job.finish`` exits with 75 after a stop signal)."""
     job = Job(args)
     _check_schedule(args)
-    _check_save_model(args)
+    _check_save_model(args, job)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     sizes = {"num_samples": args.samples} if args.samples is not None else {}
@@ -183,12 +184,14 @@ def run_builtin(args: argparse.Namespace) -> Dict[str, Any]:
     return job.finish()
 
 
-def _check_save_model(args: argparse.Namespace) -> None:
-    """--save-model PATH: its folder must exist and be writable (said at start, not after
-    the training)."""
-    if args.save_model:
-        folder = os.path.dirname(os.path.abspath(args.save_model))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise on_every_rank(ConfigurationError(
-                f"--save-model {args.save_model}: cannot write in {folder} (create it, or "
-                f"pass a path in a folder you can write)"))
+def _check_save_model(args: argparse.Namespace, job: Job) -> None:
+    """--save-model PATH: its folder must exist and be writable where rank 0 writes it
+    (said at start, not after the training; rank 0's verdict for every rank)."""
+    if not args.save_model:
+        return
+    error = ""
+    folder = os.path.dirname(os.path.abspath(args.save_model))
+    if job.world.rank == 0 and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        error = (f"--save-model {args.save_model}: cannot write in {folder} (create it, or "
+                 f"pass a path in a folder you can write)")
+    agree(error, job.world)

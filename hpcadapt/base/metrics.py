@@ -313,16 +313,24 @@ class MetricsSink:
     def __init__(self, path: Optional[str], *, enabled: bool = True, append: bool = True):
         self._file: Optional[IO[str]] = None
         self._t0 = time.perf_counter()
-        if path and enabled:
-            mode = os.O_APPEND if append else os.O_TRUNC
-            if not append and os.path.isfile(path) and os.path.getsize(path) > 0:
-                log.info("--metrics-file %s held the records of an earlier run and there is "
-                         "no checkpoint to resume from: this run starts it anew", path)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | mode,
-                         0o644)
-            self._file = open(fd, "a", encoding="utf-8", buffering=1)
+        # Opened at the first record, which comes after job.setup: a job refused at setup
+        # (its checkpoint held by another job) never empties the file that job writes.
+        self._path = path if path and enabled else None
+        self._append = append
+
+    def _open(self) -> None:
+        path, self._path = self._path, None
+        mode = os.O_APPEND if self._append else os.O_TRUNC
+        if not self._append and os.path.isfile(path) and os.path.getsize(path) > 0:
+            log.info("--metrics-file %s held the records of an earlier run and there is no "
+                     "checkpoint to resume from: this run starts it anew", path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | mode,
+                     0o644)
+        self._file = open(fd, "a", encoding="utf-8", buffering=1)
 
     def write(self, record: Any) -> None:
+        if self._path is not None:
+            self._open()
         if self._file is None:
             return
         obj = _record_dict(record) if hasattr(record, "__dataclass_fields__") else dict(record)
@@ -357,6 +365,7 @@ class MetricsSink:
         return sink
 
     def close(self) -> None:
+        self._path = None
         if self._file is not None:
             self._file.close()
             self._file = None

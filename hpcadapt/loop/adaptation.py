@@ -96,8 +96,9 @@ class Adaptation:
             raise HpcAdaptError(f"a plan of cluster version {plan.version} reached version "
                                 f"{job.world.cluster_version}")
         if job.world.rank == 0:
-            # "lr" in the record and the log line is the rate the updates will use (the
-            # user's rate now times the policies' new factor), never the rule's reference.
+            # "lr" in the record and the log line is the rate the updates will use once the
+            # decision's ramp (if any) is done (the user's rate now times the policies' new
+            # factor), never the rule's reference.
             reference = plan.lr or (plan.ramp[3] if plan.ramp else snap.lr)
             factor = job.state.rate_factor(reference)
             user_rate = float(job.optimizer.optimizer.param_groups[0]["lr"])

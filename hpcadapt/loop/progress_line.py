@@ -99,23 +99,31 @@ class ProgressLine:
 
 
 def _launcher_on_terminal(levels: int = 4) -> bool:
-    """Whether a process above this one (mpiexec, mpirun: ranks write into their pipes,
-    which they copy to their own stderr) writes its stderr to a terminal (Linux /proc)."""
+    """Whether this process's stderr is a pipe that a launcher above it (mpiexec, mpirun,
+    their proxies: each copies its children's pipes to its own stderr) ends in a terminal
+    (Linux /proc). Any step of the chain that is not a pipe (a file: ``2>run.log``, a Slurm
+    output) means no terminal."""
     import os
 
-    pid = os.getppid()
-    for _ in range(levels):
-        if pid <= 1:
+    def stderr_of(pid: str) -> str:
+        return os.readlink(f"/proc/{pid}/fd/2")
+
+    try:
+        if not stderr_of("self").startswith("pipe:"):
             return False
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/2")
+        pid = os.getppid()
+        for _ in range(levels):
+            if pid <= 1:
+                return False
+            target = stderr_of(str(pid))
+            if target.startswith(("/dev/pts/", "/dev/tty")):
+                return True
+            if not target.startswith("pipe:"):
+                return False
             with open(f"/proc/{pid}/stat", "rb") as f:
-                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-        if target.startswith(("/dev/pts/", "/dev/tty")):
-            return True
-        pid = parent
+                pid = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
     return False
 
 

@@ -163,9 +163,9 @@ class StepRunner:
             self._micro_n = len(indices)
             yield batch
             if self.micro_left == len(micro) - i:
-                raise on_every_rank(ConfigurationError(
-                    "call job.step(loss) once for every batch the "
-                    "loader yields"))
+                # this rank's alone (it may skip a step on its own data): every rank ends
+                raise ConfigurationError("call job.step(loss) once for every batch the "
+                                         "loader yields")
 
     @contextlib.contextmanager
     def epoch_body(self) -> Iterator[None]:

@@ -4,10 +4,11 @@ Each parameter's ``.grad`` is a view into a flat bucket, so gradients accumulate
 collective reads them and nothing is packed or unpacked. When the last gradient of a bucket
 is ready (a post-accumulate-grad hook), the bucket is scaled by this rank's weight and its
 allreduce starts while backward goes on; ``step()`` waits for the rest and steps the wrapped
-optimizer. Right after the last bucket's launch the step's control values (this rank's
-squared gradient norm on monitored steps, the caller's metrics: loss, timings, stop votes)
-start in a small float64 allreduce of their own on the host, under whatever strategy or
-plane: the monitors and the stop votes never depend on the gradient exchange (KungFu and
+optimizer. Right after the last bucket's launch (on a monitored step: in ``synchronize``,
+once this rank's squared gradient norm has reached the host with the averaged one's, in one
+transfer after backward) the step's control values (that norm, the caller's metrics: loss,
+timings, stop votes) start in a small float64 allreduce of their own on the host, under
+whatever strategy or plane: the monitors and the stop votes never depend on the gradient exchange (KungFu and
 the strategies that keep gradients local need that), at the cost of one tiny collective.
 
 The model's buffers (BatchNorm's running statistics and ``num_batches_tracked``, any
@@ -177,17 +178,22 @@ class DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients. With ``set_to_none`` (the default, as in torch) autograd
-        writes fresh gradients and the hooks copy them, scaled, into the buckets in one pass;
-        otherwise the buckets are zeroed and gradients accumulate in them directly."""
+        writes fresh gradients and the hooks copy them into the buckets; otherwise (what
+        the job's step does) the buckets are zeroed in place, ``.grad`` stays their views
+        and backward accumulates into them directly."""
         self.ensure_current()
         if set_to_none:
             for _, p in self._named:
                 p.grad = None
         else:
+            slot = self._slot_ptr
+            stray = [p for _, p in self._named
+                     if p.grad is None or p.grad.data_ptr() != slot.get(p)]
+            for p in stray:
+                p.grad = None  # a gradient outside the buckets (a strategy switch's) is old
             for b in self._buckets:
                 b.bucket.flat.zero_()
-            slot = self._slot_ptr
-            if any(p.grad is None or p.grad.data_ptr() != slot[p] for _, p in self._named):
+            if stray:
                 self._reattach_views()
 
     def step(self, closure=None):
@@ -506,12 +512,14 @@ class DistributedOptimizer:
     def _take_gradient(self, p: torch.nn.Parameter, ready: bool) -> None:
         """Move ``p``'s gradient into its bucket slot and make ``p.grad`` a view of the slot
         (the rank's share is applied to the whole bucket at its launch). A parameter whose
-        hook did not fire this step (unused in the forward pass) contributes zeros."""
+        hook did not fire this step contributes what its slot holds: zeros when it was
+        unused, what earlier micro-batches (``no_sync``) accumulated there when only the
+        last one did not use it (the step zeroes the slots at its start)."""
         state = self._param_bucket[p]
         offset = self._param_offset[p]
         view = state.bucket.flat[offset:offset + p.numel()].view_as(p)
         g = p.grad
-        if g is None or (not ready and g.data_ptr() == view.data_ptr()):
+        if g is None:
             view.zero_()
         elif g.data_ptr() != view.data_ptr():
             view.copy_(g)
