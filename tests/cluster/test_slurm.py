@@ -364,8 +364,15 @@ def test_a_joined_worker_killed_on_slurm_is_recovered_from_and_its_node_released
                  "a step on 2 workers", job, tmp_path)
         grown = [r for r in records(metrics, "resize") if r["ok"] and r["new_size"] == 2][0]
         os.kill(grown["pids"][1], signal.SIGKILL)
-        failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
-                           tmp_path)[0]
+        try:
+            failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
+                               tmp_path)[0]
+        except Exception:
+            if "task 0: Segmentation fault" in output_so_far(tmp_path, job):
+                pytest.xfail("MPICH 5.0.2 crashed (SIGSEGV) in the survivor after the joined "
+                             "worker's death, inside MPI (docs/guides/failures.md: 'Known: "
+                             "MPICH 5.0.2 itself crashes'); passes when it does not")
+            raise
         wait_for(lambda: [s for s in records(metrics, "step")
                           if s["world_size"] == 1 and s["step"] > failure["step"] + 5],
                  "steps on 1 worker after the recovery", job, tmp_path)
