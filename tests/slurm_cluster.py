@@ -68,3 +68,22 @@ def cancel_leftovers(cluster):
             ids.append(job_id)
     if ids:
         subprocess.run(["scancel"] + ids, capture_output=True, timeout=60)
+
+
+def run_as_written(command: str, folder, links) -> str:
+    """A documented ``sbatch`` command, in bash in ``folder``, which holds the repository's
+    ``links`` (slurm/, the environment, ...) as a user's checkout would; returns the job id
+    sbatch printed."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name in links:
+        if not (folder / name).exists():
+            (folder / name).symlink_to(root / name)
+    proc = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], cwd=folder,
+                          env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    said = re.search(r"Submitted batch job (\d+)", proc.stdout)
+    assert said, proc.stdout
+    return said.group(1)

