@@ -304,13 +304,14 @@ class Watchdog:
     followers: Create_intercomm, Merge, Split with a joiner): while the block runs, a thread
     checks ``check()`` (a reason, or None) and the clock every 0.1 s and calls
     ``on_expire(reason)`` when either fires. ``on_expire`` ends the process (it cannot
-    unblock MPI); a block that finishes first disarms it."""
+    unblock MPI); a block that finishes first disarms it. ``phase(what)`` names where the
+    block is and restarts the clock."""
 
     def __init__(self, seconds: float, what: str, on_expire: Callable[[str], None],
                  check: Optional[Callable[[], Optional[str]]] = None):
         import threading
 
-        self.seconds, self.what = seconds, what
+        self.seconds, self.what, self.base = seconds, what, what
         self.on_expire, self.check = on_expire, check
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcadapt-watchdog",
@@ -324,6 +325,13 @@ class Watchdog:
     def __exit__(self, *exc) -> None:
         self._done.set()
         self._thread.join()
+
+    def phase(self, what: str) -> None:
+        """A new phase of the block starts: its name goes into the message, and the clock
+        starts again (each phase has ``seconds``: a join's phases each have their own
+        bounded waits, and the sum of them must not read as one block)."""
+        self.what = f"{self.base}: {what}"
+        self._t0 = time.perf_counter()
 
     def _run(self) -> None:
         while not self._done.wait(0.1):

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -22,8 +22,8 @@ from hpcadapt.base.errors import MembershipError
 from hpcadapt.comm.world import PeerFailure as PeerFailureType, PeerWatch, wait_request
 from hpcadapt.elastic.allocator import Worker
 
-__all__ = ["JoinTicket", "JoinAborted", "accept_joiners", "join_running_job", "write_atomic",
-           "SPARE_FILE", "ACCEPT_TIMEOUT"]
+__all__ = ["JoinTicket", "JoinAborted", "accept_joiners", "join_running_job", "wait_for_turn",
+           "write_atomic", "SPARE_FILE", "OWNER_FILE", "ACCEPT_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,18 @@ class JoinTicket:
 
     def turn_file(self) -> str:
         return os.path.join(self.directory, f"turn-{self.worker_id}")
+
+    def job_gone(self) -> bool:
+        """Whether the job that made this folder is gone: rank 0's process (named in the
+        folder's ``owner`` or ``spare`` file, node and pid) ended on this node."""
+        for name in (OWNER_FILE, SPARE_FILE):
+            try:
+                with open(os.path.join(self.directory, name), encoding="utf-8") as f:
+                    node, owner = (int(x) for x in f.read().split())
+            except (OSError, ValueError):
+                continue
+            return node == _rt.node_key() and not _rt.pid_alive(owner)
+        return False
 
     def wait_for_port(self) -> str:
         """The port to connect to: at once for a worker started for a grow. A warm spare (a
@@ -95,6 +107,7 @@ def write_atomic(path: str, text: str) -> None:
 
 
 SPARE_FILE = "spare"
+OWNER_FILE = "owner"   # a grow's join folder: rank 0's node and pid
 
 
 SPARE_POLL_S = 0.005   # how often an idle spare looks for its port (a stat call)
@@ -172,11 +185,16 @@ def _accept_watched(port: str, worker: Optional[Worker], timeout: float):
     return box["inter"], ""
 
 
+def _no_phase(what: str) -> None:
+    pass
+
+
 def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
                    tickets: Sequence[JoinTicket] = (), workers: Sequence[Worker] = (),
                    watch: Optional[PeerWatch] = None,
                    accept_timeout: float = ACCEPT_TIMEOUT,
-                   on_bridge=None) -> MPI.Intracomm:
+                   on_bridge=None,
+                   on_phase: Callable[[str], None] = _no_phase) -> MPI.Intracomm:
     """Collective over ``comm`` (running job plus joiners merged so far): admit ``count``
     joiners one at a time; returns the merged communicator (``comm`` itself is kept).
 
@@ -192,10 +210,12 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
     bounded by ``watch`` (the joiner's pid and launcher), before anything involves the whole
     job: a joiner dying until then (the state transfer included) raises JoinAborted on every
     rank, and ``comm`` still works. What is left unpolled (Create_intercomm, Merge: a few
-    milliseconds) is the caller's to guard (``runtime.Watchdog``)."""
+    milliseconds) is the caller's to guard (``runtime.Watchdog``); ``on_phase(what)`` names
+    each phase as it starts (the watchdog's message says where a join blocked)."""
     current = comm
     remaining = np.array([count], dtype=np.int64)
     while True:
+        on_phase("the joiners' count")
         wait_request(current.Ibcast(remaining, root=0), watch, "a join")
         if remaining[0] == 0:
             return current
@@ -208,9 +228,11 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
             # Joiners connect one at a time, in their id order, when given the turn:
             # concurrent connects to one port crashed MPICH here.
             write_atomic(tickets[index].turn_file(), "go")
+            on_phase(f"the accept of joiner {index}")
             inter, why = _accept_watched(port, worker, accept_timeout)
             if inter is not None:
                 ping = np.zeros(1, dtype=np.int64)
+                on_phase(f"joiner {index}'s first word")
                 try:
                     wait_request(inter.Irecv(ping, source=0, tag=_PING_TAG),
                                  _JoinerWatch(worker), "a joiner's first word",
@@ -221,9 +243,11 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
             if inter is None:
                 status[0] = 0
             else:
+                on_phase(f"the merge of the bridge to joiner {index}")
                 bridge = inter.Merge(high=False)
                 inter.Disconnect()
                 if on_bridge is not None:
+                    on_phase(f"the state transfer to joiner {index}")
                     bridge_watch = PeerWatch(0, [(1, int(ping[0]))], blind=False)
                     if worker is not None:
                         bridge_watch.sources.append(
@@ -235,12 +259,15 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
                         why = f"joining worker lost during the state transfer: {exc}"
                         status[0] = 0
                         bridge = MPI.COMM_SELF  # not freed: its peer is gone
+        on_phase("rank 0's word on the joiner")
         wait_request(current.Ibcast(status, root=0), watch, "a join")
         if not status[0]:
             if current is not comm:
                 current.Free()
             raise JoinAborted(why or "rank 0 gave the join up")
+        on_phase("the intercommunicator with the joiner")
         inter = current.Create_intercomm(0, bridge, 1, tag=_JOIN_TAG)
+        on_phase("the merge with the joiner")
         merged = inter.Merge(high=False)
         inter.Disconnect()
         if bridge != MPI.COMM_SELF:
@@ -252,37 +279,63 @@ def accept_joiners(comm: MPI.Intracomm, port: str, count: int,
             remaining[0] -= 1
 
 
-def join_running_job(ticket: JoinTicket, on_bridge=None,
-                     port: Optional[str] = None) -> MPI.Intracomm:
-    """In a joining worker: say it is ready, connect to rank 0 of the running job, receive
-    the state over that bridge (``on_bridge(bridge)``), join the whole job across it, and
-    take part in admitting the joiners after it; returns the job's new communicator.
-    ``port``: already read (``ticket.wait_for_port()``)."""
-    if port is None:
-        port = ticket.wait_for_port()
+def wait_for_turn(ticket: JoinTicket, timeout_s: float = float("inf")) -> None:
+    """In a joining worker: say it is ready, then wait until rank 0 gives it its turn to
+    connect (joiners connect one at a time). MembershipError when the job gives the grow up
+    (the folder goes) or after ``timeout_s`` (the job is gone without removing it)."""
     try:
         write_atomic(ticket.ready_file(), str(os.getpid()))
     except FileNotFoundError:
         raise MembershipError(f"the join folder {ticket.directory} is gone: the job gave up "
                               f"the grow") from None
     turn = ticket.turn_file()
+    start = time.perf_counter()
+    looked = start
     while not os.path.exists(turn):
         if not os.path.isdir(ticket.directory):
             raise MembershipError(f"the join folder {ticket.directory} is gone: the job "
                                   f"gave up the grow")
+        now = time.perf_counter()
+        if now - looked > 0.2:
+            looked = now
+            if ticket.job_gone():
+                raise MembershipError("the job this worker was started for has ended")
+        if now - start > timeout_s:
+            raise MembershipError(f"no turn to connect after {timeout_s:.0f} s: the job "
+                                  f"is gone")
         time.sleep(0.005)
+
+
+def join_running_job(ticket: JoinTicket, on_bridge=None,
+                     port: Optional[str] = None,
+                     on_phase: Callable[[str], None] = _no_phase) -> MPI.Intracomm:
+    """In a joining worker: connect to rank 0 of the running job when given the turn
+    (``wait_for_turn``, done here unless the caller did), receive the state over that
+    bridge (``on_bridge(bridge)``), join the whole job across it, and take part in
+    admitting the joiners after it; returns the job's new communicator. ``port``: already
+    read (``ticket.wait_for_port()``); ``on_phase`` as in ``accept_joiners``."""
+    if port is None:
+        port = ticket.wait_for_port()
+    if not os.path.exists(ticket.turn_file()):
+        wait_for_turn(ticket)
+    on_phase("the connect to rank 0")
     inter = MPI.COMM_WORLD.Connect(port, root=0)
     ping = np.array([os.getpid()], dtype=np.int64)
+    on_phase("the first word to rank 0")
     wait_request(inter.Isend(ping, dest=0, tag=_PING_TAG), None, "the first word to the job")
+    on_phase("the merge of the bridge to rank 0")
     bridge = inter.Merge(high=True)
     inter.Disconnect()
     if on_bridge is not None:
+        on_phase("the state transfer from rank 0")
         on_bridge(bridge)
+    on_phase("the intercommunicator with the job")
     inter = MPI.COMM_WORLD.Create_intercomm(0, bridge, 0, tag=_JOIN_TAG)
+    on_phase("the merge with the job")
     merged = inter.Merge(high=True)
     inter.Disconnect()
     bridge.Free()
-    return accept_joiners(merged, port, 0)
+    return accept_joiners(merged, port, 0, on_phase=on_phase)
 
 
 class _JoinerWatch:

@@ -51,8 +51,8 @@ from hpcadapt.base.config import JOIN_DIR_VARIABLE
 from hpcadapt.base.errors import AllocationError, ConfigurationError
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.comm.world import World, wait_request
-from hpcadapt.elastic.joins import (ACCEPT_TIMEOUT, SPARE_FILE, JoinTicket, accept_joiners,
-                                    write_atomic)
+from hpcadapt.elastic.joins import (ACCEPT_TIMEOUT, OWNER_FILE, SPARE_FILE, JoinTicket,
+                                    accept_joiners, write_atomic)
 from hpcadapt.elastic.spawned import SpareGrow, SparePool, SpawnedGrow, give_up_bounded
 
 __all__ = ["ElasticController", "ResizeOutcome", "split_leavers", "joiner_argv", "WAITING",
@@ -170,6 +170,8 @@ class ElasticController:
             try:
                 if len(taken) < count:
                     directory = self._folder("hpcadapt-join-")
+                    write_atomic(os.path.join(directory, OWNER_FILE),
+                                 f"{_rt.node_key()} {os.getpid()}")
                     write_atomic(os.path.join(directory, "port"), port)
                     cold = count - len(taken)
                     workers += self.allocator.launch([list(self.joiner_argv)] * cold,
@@ -253,7 +255,7 @@ class ElasticController:
                      "the grow's status")
         return int(status[0]), int(status[1]), detail
 
-    def join(self, count: int, on_bridge=None) -> MPI.Intracomm:
+    def join(self, count: int, on_bridge=None, on_phase=None) -> MPI.Intracomm:
         """Every rank of the running job: accept the joiners; returns the new communicator.
         Joiners that were spawned (Open MPI) merge at once; the caller then sends them the
         state (``on_bridge`` is for joiners that connect through the port)."""
@@ -268,7 +270,7 @@ class ElasticController:
         workers = self.pending.workers if self.pending is not None else []
         new = accept_joiners(self.world.comm, port, count, tickets, workers,
                              self.world.watch, min(self.accept_timeout, self.join_timeout),
-                             on_bridge)
+                             on_bridge, **({"on_phase": on_phase} if on_phase else {}))
         self._finish_grow()
         return new
 

@@ -232,16 +232,19 @@ class MembershipChanges:
                 try:
                     # What cannot be polled between the joiner's first word and the
                     # confirmation (Create_intercomm, Merge) runs under a watchdog.
-                    with self._join_watchdog(workers):
+                    with self._join_watchdog(workers) as dog:
                         # Rank 0 sends each joiner the state over its own bridge before the
                         # whole job takes it in: a joiner dying until then is abandoned.
                         faults.point("join", self.state.step)
-                        merged = self.elastic.join(joiners, self._send_state_over_bridge)
+                        merged = self.elastic.join(joiners, self._send_state_over_bridge,
+                                                   dog.phase)
                         self.world.replace(merged, keep_old=True)
                         if self.elastic.spawns:  # spawned joiners take the state now
                             faults.point("state", self.state.step)
+                            dog.phase("the state to the spawned joiners")
                             world_mod.agree_all_alive(self.world.comm)  # the joiners too
                             self.sync_state(receiving=False)
+                        dog.phase("the confirmation")
                         self._confirm_join()
                 except JoinAborted as exc:
                     self.record_resize(self.elastic.abandon(str(exc)))
@@ -294,8 +297,11 @@ class MembershipChanges:
 
     def _join_watchdog(self, workers):
         """The watchdog around a join's blocking steps: a joining worker whose launcher has
-        exited (rank 0 sees it), a dead peer of the old world, or the --peer-timeout
-        deadline ends the job as a failure does (state saved by rank 0, exit 75)."""
+        exited (rank 0 sees it), a dead peer of the old world, or a phase of the join
+        blocked past --peer-timeout and a third ends the job as a failure does (state saved
+        by rank 0, exit 75). Each phase has its own clock, and the third is a margin over
+        the phases' own bounded waits (the state transfer's is --peer-timeout), which give
+        the grow up and train on: the last resort must not win that race."""
         old_watch = self.world.watch
         first_seen: Dict[str, float] = {}
         # A death the join's own bounded waits handle (the pending accept, bounded by
@@ -320,7 +326,8 @@ class MembershipChanges:
         def expire(reason: str) -> None:
             self.job.stops.fail(world_mod.PeerFailure(reason, cause="join"))
 
-        return world_mod.Watchdog(self.options.failures.peer_timeout, "a join", expire, check)
+        return world_mod.Watchdog(self.options.failures.peer_timeout + grace, "a join", expire,
+                                  check)
 
     def _send_state_over_bridge(self, bridge, watch) -> None:
         """Rank 0, during a join: the state to one joiner over their two-process bridge."""
@@ -353,7 +360,8 @@ class MembershipChanges:
 
     def join(self) -> None:
         """A worker started for a grow: connect, merge, receive the state."""
-        from hpcadapt.elastic.joins import JoinAborted, JoinTicket, join_running_job
+        from hpcadapt.elastic.joins import (JoinAborted, JoinTicket, join_running_job,
+                                            wait_for_turn)
         from hpcadapt.elastic.membership import ResizeOutcome
 
         if self.spawned_to_join:
@@ -364,16 +372,23 @@ class MembershipChanges:
             ticket = JoinTicket.claim(self.join_dir)
             # A warm spare idles here until a grow takes it (the deadline starts after).
             port = ticket.wait_for_port()
+            # Joiners connect one at a time: the wait for this one's turn is the job's
+            # (bounded by its --join-timeout, or the end of rank 0), not the join's.
+            wait_for_turn(ticket, self.options.membership.join_timeout
+                          + self.options.failures.peer_timeout)
         except MembershipError as exc:
             log.info("not joining (%s): this worker exits", exc)
             lifecycle.end_process(3)
 
+        peer_timeout = self.options.failures.peer_timeout
         try:
-            with world_mod.Watchdog(self.options.failures.peer_timeout, "joining the job",
-                                    _give_up_join):
+            # Each phase bounded as the job's side of it is (see _join_watchdog).
+            with world_mod.Watchdog(peer_timeout * 4 / 3, "joining the job",
+                                    _give_up_join) as dog:
                 self.world.replace(join_running_job(ticket, self._receive_state_over_bridge,
-                                                    port),
+                                                    port, dog.phase),
                                    version=self._joined_version)
+                dog.phase("the confirmation")
                 self._confirm_join()
         except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
             _give_up_join(exc)
