@@ -3,7 +3,8 @@
 from launch import run_worker
 
 WORKERS = {"allreduce": "bench_allreduce.py", "ddp": "bench_ddp.py",
-           "monitor-overhead": "bench_monitor.py"}
+           "monitor-overhead": "bench_monitor.py",
+           "step-overhead": "bench_step_overhead.py"}
 
 
 def run(name, extra):

@@ -29,6 +29,9 @@ BENCHMARKS = {
     "allreduce": ("driver_simple", "allreduce throughput: hpcadapt vs mpi4py vs gloo"),
     "ddp": ("driver_simple", "training throughput: hpcadapt vs torch DDP (gloo)"),
     "monitor-overhead": ("driver_simple", "throughput with gradient monitors on vs off"),
+    "step-overhead": ("driver_simple", "what the data plane adds to a step on 202 small "
+                                       "parameters: aten ops and host transfers counted, "
+                                       "step times, vs torch DDP (gloo)"),
     "adaptive": ("driver_adaptive", "steps to target val losses and final loss, MNIST-1D CNN "
                                     "and a char-level LM: growth instead of decay (and gns-batch) "
                                     "vs tuned fixed batches, a doubling ramp and Seesaw, paired "

@@ -28,6 +28,7 @@ step's gradient norms reach the host only on monitored steps.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -64,6 +65,18 @@ class GradientStats:
         self.local_sqnorm_mean = local_sqnorm_mean
         self.global_sqnorm = global_sqnorm
         self.extras = extras
+
+
+class _Slot:
+    """One parameter's place in its bucket: the bucket and the view of its gradient there
+    (``p.grad`` while nothing replaced it). Made once per parameter; its hook is bound to it,
+    so that the hook looks nothing up."""
+
+    __slots__ = ("state", "view")
+
+    def __init__(self):
+        self.state: Optional["_BucketState"] = None
+        self.view: Optional[torch.Tensor] = None
 
 
 class _BucketState:
@@ -140,12 +153,12 @@ class DistributedOptimizer:
         self._pair_failure: Optional[Exception] = None  # raised in synchronize
         self._version = -1
         self._buckets: List[_BucketState] = []
-        self._param_bucket: Dict[torch.nn.Parameter, _BucketState] = {}
-        self._param_offset: Dict[torch.nn.Parameter, int] = {}
-        # the address of each parameter's bucket slot: a hook whose .grad is already the
-        # slot (every step after the first) has nothing to copy and builds no view
-        self._slot_ptr: Dict[torch.nn.Parameter, int] = {}
-        self._ready: set = set()
+        # each parameter's slot: a hook whose .grad is already the slot's view (every step
+        # of the job after the first) has nothing to copy and builds no view
+        self._slots: Dict[torch.nn.Parameter, _Slot] = {p: _Slot() for _, p in named}
+        # a gradient may live outside the buckets (set to None, or written by a backward
+        # whose hooks did not take it: no_sync, a strategy that keeps gradients local)
+        self._strays_possible = True
         self._launched = 0
         self._hooks = []
         self.last_stats: Optional[GradientStats] = None
@@ -159,7 +172,8 @@ class DistributedOptimizer:
             broadcast_optimizer_state(self.optimizer, root=0, world=self._world)
         self._build()
         for _, p in named:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            self._hooks.append(p.register_post_accumulate_grad_hook(
+                functools.partial(self._on_grad_ready, self._slots[p])))
 
     # -- optimizer interface ---------------------------------------------------------
     @property
@@ -185,16 +199,20 @@ class DistributedOptimizer:
         if set_to_none:
             for _, p in self._named:
                 p.grad = None
-        else:
-            slot = self._slot_ptr
-            stray = [p for _, p in self._named
-                     if p.grad is None or p.grad.data_ptr() != slot.get(p)]
+            self._strays_possible = True
+            return
+        if self._strays_possible:
+            # Once after anything that may have left a gradient outside the buckets; a
+            # job's steady state never comes here (its hooks took every gradient).
+            slots = self._slots
+            stray = [p for _, p in self._named if p.grad is not slots[p].view]
             for p in stray:
                 p.grad = None  # a gradient outside the buckets (a strategy switch's) is old
-            for b in self._buckets:
-                b.bucket.flat.zero_()
             if stray:
                 self._reattach_views()
+            self._strays_possible = False
+        for b in self._buckets:
+            b.bucket.flat.zero_()
 
     def step(self, closure=None):
         """Average the gradients (unless ``synchronize()`` already did since the last
@@ -437,8 +455,6 @@ class DistributedOptimizer:
         params = [p for _, p in reversed(self._named)]
         groups = plan_buckets(params, self._bucket_bytes)
         self._buckets = []
-        self._param_bucket = {}
-        self._param_offset = {}
         for group in groups:
             members = [params[i] for i in group]
             bucket = Bucket.for_tensors(members)
@@ -447,33 +463,30 @@ class DistributedOptimizer:
                 n = p.numel()
                 if p.grad is not None:
                     bucket.flat[offset:offset + n].copy_(p.grad.reshape(-1))
-                self._param_offset[p] = offset
                 offset += n
             state = _BucketState(bucket, members)
             self._buckets.append(state)
             for p in members:
-                self._param_bucket[p] = state
+                self._slots[p].state = state
         self._comm = self._plane.current()
         self._version = self._world.cluster_version
         self._reattach_views()
         self._reset_step()
 
     def _reattach_views(self) -> None:
-        self._slot_ptr = {}
+        """Every parameter's ``.grad`` becomes (a new view of) its slot, what it held copied
+        in."""
         for state in self._buckets:
             offset = 0
             for p in state.params:
                 n = p.numel()
                 view = state.bucket.flat[offset:offset + n].view_as(p)
-                self._slot_ptr[p] = view.data_ptr()
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    if p.grad is not None:
-                        view.copy_(p.grad)
-                    p.grad = view
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = self._slots[p].view = view
                 offset += n
 
     def _reset_step(self) -> None:
-        self._ready.clear()
         self._launched = 0
         for b in self._buckets:
             b.pending = len(b.params)
@@ -481,25 +494,29 @@ class DistributedOptimizer:
             b.launched = False
             b.sqnorm = None
 
-    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+    def _on_grad_ready(self, slot: _Slot, p: torch.nn.Parameter) -> None:
+        """A parameter's gradient is accumulated (autograd calls this once per parameter
+        and backward: the only Python per parameter, kept to a few attribute reads; the
+        checks and the work are per bucket)."""
         self._synchronized = False
         if self._skip_sync or not self._sync_grads:
+            self._strays_possible = True  # this backward's gradients stay where they are
             return
+        if p.grad is not slot.view:
+            self._take_gradient(p)  # the first step, or a new .grad
+        state = slot.state
+        state.pending -= 1
+        if state.pending:
+            if state.pending < 0:
+                raise CommunicationError(
+                    "backward ran twice before step(); wrap the extra backward passes in "
+                    "optimizer.no_sync() to accumulate gradients")
+            return  # more to come
+        if self._hook_failure is not None:
+            return  # the step is given up (synchronize raises the failure)
         if self._version != self._world.cluster_version:
             raise CommunicationError(
                 "the world changed during backward; resizes apply between steps only")
-        if p in self._ready:
-            raise CommunicationError(
-                "backward ran twice before step(); wrap the extra backward passes in "
-                "optimizer.no_sync() to accumulate gradients")
-        self._ready.add(p)
-        state = self._param_bucket[p]
-        g = p.grad
-        if g is None or g.data_ptr() != self._slot_ptr[p]:
-            self._take_gradient(p, ready=True)  # the first step, or a new .grad
-        state.pending -= 1
-        if self._hook_failure is not None or state.pending:
-            return  # the step is given up (synchronize raises the failure), or more to come
         try:
             self._launch(state)
             # Drive MPI's progress engine for collectives already in flight (once a bucket).
@@ -509,16 +526,16 @@ class DistributedOptimizer:
         except _runtime.FAILURES as exc:
             self._hook_failure = _runtime.as_failure(exc, "a gradient allreduce's start")
 
-    def _take_gradient(self, p: torch.nn.Parameter, ready: bool) -> None:
-        """Move ``p``'s gradient into its bucket slot and make ``p.grad`` a view of the slot
+    def _take_gradient(self, p: torch.nn.Parameter) -> None:
+        """Move ``p``'s gradient into its bucket slot and make ``p.grad`` the slot's view
         (the rank's share is applied to the whole bucket at its launch). A parameter whose
         hook did not fire this step contributes what its slot holds: zeros when it was
         unused, what earlier micro-batches (``no_sync``) accumulated there when only the
         last one did not use it (the step zeroes the slots at its start)."""
-        state = self._param_bucket[p]
-        offset = self._param_offset[p]
-        view = state.bucket.flat[offset:offset + p.numel()].view_as(p)
+        view = self._slots[p].view
         g = p.grad
+        if g is view:
+            return
         if g is None:
             view.zero_()
         elif g.data_ptr() != view.data_ptr():
@@ -567,8 +584,7 @@ class DistributedOptimizer:
         for state in self._buckets:
             if not state.launched:
                 for p in state.params:
-                    if p not in self._ready:
-                        self._take_gradient(p, ready=False)
+                    self._take_gradient(p)  # a no-op for those whose hook took theirs
                 self._launch(state)
         squares = []
         for state in self._buckets:

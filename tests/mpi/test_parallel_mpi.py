@@ -111,6 +111,58 @@ def test_no_sync_accumulates_then_reduces_once(w):
     opt.remove_hooks()
 
 
+def test_every_way_of_zeroing_gradients_gives_the_average_step_after_step(w):
+    """The job zeroes the buckets in place (``zero_grad(set_to_none=False)``), a user's
+    loop calls ``opt.zero_grad()`` or ``model.zero_grad()`` (gradients set to None), a
+    micro-batch runs under ``no_sync``, a step keeps its gradients local (local SGD between
+    averages) and a parameter is left unused on some steps: in any order, each step's
+    gradients are the ranks' average of that step's alone (the local step's: its own)."""
+    from hpcadapt.base.strategies import SSGD
+    from hpcadapt.base.strategies.local_sgd import LocalSGD
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 2), "b": nn.Linear(2, 1), "spare": nn.Linear(3, 1)})
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                               model.named_parameters(), world=w, bucket_bytes=64)
+    ways = ["in_place", "opt_none", "in_place", "model_none", "in_place", "no_sync",
+            "opt_none", "in_place", "local", "in_place", "in_place"]
+    for step, way in enumerate(ways):
+        opt.set_strategy(LocalSGD(period=1000) if way == "local" else SSGD())
+        opt.begin_step(step)
+        if way in ("opt_none", "local"):
+            opt.zero_grad()
+        elif way == "model_none":
+            model.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=False)
+        use_spare = step % 3 == 0
+
+        def loss_of(r):
+            x = torch.full((1, 3), float(r + 1 + step))
+            out = model["b"](model["a"](x)).sum()
+            return out + model["spare"](x).sum() * (r + 1) if use_spare else out
+
+        passes = 2 if way == "no_sync" else 1
+        if passes == 2:
+            with opt.no_sync():
+                loss_of(w.rank).backward()
+        loss_of(w.rank).backward()
+        opt.synchronize()
+        got = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+               for n, p in model.named_parameters()}
+        expected = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        for r in ([w.rank] if way == "local" else range(w.size)):
+            grads = torch.autograd.grad(loss_of(r), list(model.parameters()),
+                                        allow_unused=True)
+            for (n, _), g in zip(model.named_parameters(), grads):
+                if g is not None:
+                    expected[n] += passes * g / (1 if way == "local" else w.size)
+        for n in got:
+            assert torch.allclose(got[n], expected[n], atol=1e-5), (step, way, n)
+        opt.step()
+    opt.remove_hooks()
+
+
 def test_second_backward_without_step_is_refused(w):
     model = nn.Linear(3, 1)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
