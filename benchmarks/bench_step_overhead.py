@@ -10,7 +10,8 @@ many small parameters (where per-parameter work shows), 2 ranks:
   monitored one (the gradient noise scale's statistics);
 - the step time of each, in interleaved rounds, and what each adds over the plain step.
 
-On a GPU (``--device cuda``) the same, over the GPU's data plane and DDP on NCCL."""
+On a GPU (``--device cuda``, one rank: the runner starts one where there is one GPU) the
+same, over the GPU's data plane and DDP on NCCL; not run on a GPU yet."""
 
 import argparse
 import collections
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hpcadapt
 from hpcadapt.parallel import optimizer as plane
-from common import init_gloo, interleaved, median, single_thread, write_result
+from common import free_port, init_gloo, interleaved, median, single_thread, write_result
 from launch import quick_defaults
 
 
@@ -115,10 +116,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(w.rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
-        import os
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        port = raw.bcast(__import__("common").free_port() if raw.rank == 0 else None, root=0)
+        port = raw.bcast(free_port() if raw.rank == 0 else None, root=0)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=raw.rank, world_size=raw.size)
     else:
@@ -183,11 +181,39 @@ def main() -> None:
 
     times = interleaved({k: timed(s) for k, s in steps.items()}, args.rounds)
     step_ms = {k: 1e3 * median(v) for k, v in times.items()}
+
+    def backward_only(model, opt, finish):
+        """Seconds per backward pass alone (the hooks and bucket launches run inside it;
+        the rest of the step outside the clock)."""
+        def run():
+            spent = 0.0
+            for _ in range(args.steps):
+                opt.zero_grad(set_to_none=False)
+                loss = loss_fn(model(x), y)
+                sync()
+                t0 = time.perf_counter()
+                loss.backward()
+                sync()
+                spent += time.perf_counter() - t0
+                finish()
+            return spent / args.steps
+        return run
+
+    plain_opt = sgd(models["plain"])
+    backward = interleaved({
+        "plain": backward_only(models["plain"], plain_opt, lambda: None),
+        "hpcadapt": backward_only(models["hpcadapt"], opt_hpc, opt_hpc.synchronize)},
+        args.rounds)
+    backward_us = {k: 1e6 * median(v) for k, v in backward.items()}
     rows = {k: {"aten_ops_per_step": ops[k], "step_ms": step_ms[k],
                 **({"added_ops_per_param": added[k],
                     "added_ms": step_ms[k] - step_ms["plain"]} if k != "plain" else {})}
             for k in steps}
     rows["transfers"] = {"unmonitored_step": unmonitored, "monitored_step": monitored}
+    rows["backward"] = {"plain_us": backward_us["plain"], "hpcadapt_us": backward_us["hpcadapt"],
+                        # what the hooks and the launches add to backward, per parameter
+                        "hook_us_per_param": (backward_us["hpcadapt"] - backward_us["plain"])
+                        / params}
     result = {
         "benchmark": "step-overhead",
         "config": {"parameters": params, "layers": args.layers, "width": args.width,

@@ -8,4 +8,7 @@ WORKERS = {"allreduce": "bench_allreduce.py", "ddp": "bench_ddp.py",
 
 
 def run(name, extra):
-    return run_worker(WORKERS[name], 2, extra)
+    # step-overhead on a GPU: one rank (NCCL takes one rank per GPU; the lent machine has one)
+    on_gpu = name == "step-overhead" and any(a.startswith("cuda") or a.startswith("--device=cuda")
+                                             for a in extra)
+    return run_worker(WORKERS[name], 1 if on_gpu else 2, extra)

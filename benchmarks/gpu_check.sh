@@ -27,6 +27,9 @@ echo "tests rc=${PIPESTATUS[0]}"
 timeout "${BENCH_S:-180}" python3 benchmarks/run.py gpu --json "$OUT/bench-gpu.json" 2>&1 \
   | tee "$OUT/bench.log"
 echo "bench rc=${PIPESTATUS[0]}"
+timeout "${BENCH_S:-180}" python3 benchmarks/run.py step-overhead --device cuda \
+  --json "$OUT/bench-step-overhead.json" 2>&1 | grep -v USDT | tee "$OUT/bench-step.log"
+echo "step-overhead rc=${PIPESTATUS[0]}"
 # Optional: the whole suite with the GPU visible (`--device auto` picks it), one line per
 # test in the log so that a run cut short by its limit still names what failed.
 if [ -n "${SUITE_S:-}" ]; then

@@ -55,6 +55,29 @@ class Run:
             self.assert_no_process_left()
             pytest.xfail(f"MPICH 5.0.2 crashed (SIGSEGV) in a survivor {when}")
 
+    def xfail_if_mpich_blocked_in_a_join(self, when):
+        """When the job ended (exit 75, its state saved) because MPICH blocked inside a
+        join's MPI call that nothing can poll or cancel (a merge, the intercommunicator)
+        past the watchdog's deadline, after a kill: MPICH's, not a
+        hang (the watchdog ended it) and not hpcadapt's bounded waits, which give a grow
+        up and train on. Seen once in CI's 20-kill test (stop 46) on a busy machine; the
+        phase is named (docs/development/known-issues.md)."""
+        if self.proc.poll() != 75 or not self.killed:
+            return
+        err = self.stderr()
+        mpich = "Open MPI" not in subprocess.run(
+            [sys.executable, "-c", "from mpi4py import MPI; print(MPI.get_vendor()[0])"],
+            capture_output=True, text=True, timeout=60).stdout
+        blocked = [line.split("(in a join: ", 1)[1].split(")", 1)[0]
+                   for line in err.splitlines()
+                   if "still blocked after" in line and "(in a join: " in line]
+        blocked = [phase for phase in blocked if phase.startswith(
+            ("the merge", "the intercommunicator"))]
+        if mpich and blocked:
+            self.assert_no_process_left()
+            pytest.xfail(f"MPICH blocked in {blocked[0]} of a join {when}; the job ended "
+                         f"with its state saved")
+
     def rows(self):
         return complete_rows(self.metrics)
 
