@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 __all__ = ["JobOptions", "AdaptationOptions", "MonitoringOptions", "StepOptions", "CommOptions",
            "MembershipOptions", "FailureOptions", "StopOptions", "RecordingOptions",
-           "RESIZING_POLICIES", "refuse_inconsistent"]
+           "RESIZING_POLICIES", "refuse_inconsistent", "option_defaults", "FLAGLESS_OPTIONS"]
 
 # Policies whose decisions change the number of workers: they need an allocator.
 RESIZING_POLICIES = ("resize-schedule", "autoscale", "straggler")
@@ -125,6 +126,22 @@ _GROUPS = {"adaptation": AdaptationOptions, "monitoring": MonitoringOptions,
            "failures": FailureOptions, "stops": StopOptions, "recording": RecordingOptions}
 # each option's group: the names are the keywords of Job(...) and the flags' dests
 _GROUP_OF = {name: group for group, cls in _GROUPS.items() for name in cls.__dataclass_fields__}
+
+
+# options no flag of the same name fills (--policy, --monitor and --no-progress do)
+FLAGLESS_OPTIONS = ("policies", "monitors", "progress")
+
+
+def option_defaults() -> Dict[str, Any]:
+    """Every option's default by its flat name (the keyword of ``Job(...)`` and the dest of
+    its flag): the one place the defaults are written; ``add_arguments`` takes the flags'
+    defaults from here."""
+    out: Dict[str, Any] = {}
+    for cls in _GROUPS.values():
+        for f in dataclasses.fields(cls):
+            out[f.name] = f.default if f.default is not dataclasses.MISSING \
+                else f.default_factory()  # type: ignore[misc]
+    return out
 
 
 @dataclass(frozen=True)

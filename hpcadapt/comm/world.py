@@ -18,6 +18,7 @@ import numpy as np
 from hpcadapt.base import config
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.base.lifecycle import node_key, pid_alive  # noqa: F401  (node_key: re-exported)
+from hpcadapt.base.options import FailureOptions
 from hpcadapt.comm.mpi import MPI
 from hpcadapt.comm.mpiflavour import flavour
 
@@ -395,7 +396,8 @@ def as_failure(exc: BaseException, what: str = "an MPI operation") -> "PeerFailu
 
 
 # -- waiting on peers, bounded -----------------------------------------------------------------
-PEER_TIMEOUT_FLOOR = 30.0   # seconds; --peer-timeout
+# seconds: a watch's floor until the job sets --peer-timeout's (its default, written once)
+PEER_TIMEOUT_FLOOR = FailureOptions.peer_timeout
 PEER_TIMEOUT_STEPS = 20     # times the median step time, when that is longer
 
 
