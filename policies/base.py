@@ -6,13 +6,12 @@ keep their own state, call no collectives and hold no globals. The engine commun
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple
 
-from hpcadapt.base.errors import ConfigurationError
+from hpcadapt.base.plan import check_changes
 
-__all__ = ["MetricsSnapshot", "Decision", "Param", "Policy"]
+__all__ = ["MetricsSnapshot", "Decision", "Param", "Policy", "merge_decisions"]
 
 
 @dataclass(frozen=True)
@@ -98,29 +97,49 @@ class Decision:
         return {k: getattr(self, k) for k in self.CHANGE_FIELDS if getattr(self, k) is not None}
 
     def validate(self) -> None:
-        """Raise ConfigurationError if a value cannot be applied."""
-        if self.batch_size is not None and (int(self.batch_size) != self.batch_size
-                                            or self.batch_size < 1):
-            raise ConfigurationError(f"batch_size must be a positive integer, got {self.batch_size}")
-        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigurationError(f"lr must be positive and finite, got {self.lr}")
-        if self.momentum is not None and not (0 <= self.momentum < 1):
-            raise ConfigurationError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.world_size is not None and (int(self.world_size) != self.world_size
-                                            or self.world_size < 1):
-            raise ConfigurationError(f"world_size must be a positive integer, got {self.world_size}")
-        if self.strategy is not None:
-            from hpcadapt.base.strategies import Strategy
+        """Raise ConfigurationError if a value cannot be applied (the plan's own check)."""
+        check_changes(self.changes())
 
-            Strategy.from_dict(self.strategy)
-        if self.topology is not None:
-            from hpcadapt.base.topology_names import parse_topology
 
-            parse_topology(self.topology)
-        if self.remove_rank is not None and (self.world_size is None or self.remove_rank < 1):
-            raise ConfigurationError(
-                f"remove_rank needs a world_size and must name a rank >= 1 (rank 0 coordinates), "
-                f"got {self.remove_rank}")
+def merge_decisions(decisions: Sequence[Decision], snap: MetricsSnapshot,
+                    ramp_steps: int) -> Tuple[Dict[str, Any], str]:
+    """The plan's fields for these decisions, and its reason (the last resize's, strategy's
+    or topology's): the last writer wins field by field; an explicit rate becomes the new
+    base (at the new batch), a learning-rate rule's is reached through its ramp (over
+    ``ramp_steps`` when the batch changes). The engine's plan and the simulator both use it."""
+    changes: Dict[str, Any] = {}
+    explicit_lr = None
+    rule_lr = None
+    reason = ""
+    for d in decisions:
+        changes.update(d.changes())
+        if d.lr is not None:
+            if d.policy.startswith("lr-rule"):
+                rule_lr = d.lr
+            else:
+                explicit_lr = d.lr
+        if d.world_size is not None or d.strategy is not None or d.topology is not None:
+            reason = f"{d.policy}: {d.reason}"
+    fields: Dict[str, Any] = {}
+    if explicit_lr is not None:
+        fields.update(lr=float(explicit_lr), base_lr=float(explicit_lr),
+                      base_batch_size=int(changes.get("batch_size", snap.batch_size)))
+    elif rule_lr is not None:
+        steps = ramp_steps if "batch_size" in changes else 0
+        fields["ramp"] = (snap.step, int(steps), float(snap.lr), float(rule_lr))
+    if "batch_size" in changes:
+        fields["batch_size"] = int(changes["batch_size"])
+    if "momentum" in changes:
+        fields["momentum"] = float(changes["momentum"])
+    if "strategy" in changes:
+        fields["strategy"] = dict(changes["strategy"])
+    if "topology" in changes:
+        fields["topology"] = str(changes["topology"])
+    if "world_size" in changes:
+        fields["world_size"] = int(changes["world_size"])
+        if changes.get("remove_rank") is not None:
+            fields["remove_rank"] = int(changes["remove_rank"])
+    return fields, reason
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ import numpy as np
 from hpcadapt.base.noise_scale import GradientNoiseScale, NoiseEstimate
 
 from . import add_policy_arguments, build_lr_rule, build_policies
-from .base import Decision, MetricsSnapshot, Policy
+from .base import Decision, MetricsSnapshot, Policy, merge_decisions
 from .lr_rules import LRRule, Ramp
 
 __all__ = ["ThroughputModel", "NoiseTrajectory", "draw_estimate", "exact_estimate",
@@ -254,28 +254,18 @@ class _Job:
 
 
 def _apply(job: _Job, decisions: List[Decision], snap: MetricsSnapshot, ramp_steps: int) -> None:
-    """``PolicyEngine.plan`` and the job's applying it: last writer wins field by field; an
-    explicit rate becomes the new base, the rule's rate is reached through its ramp.
-    Values are applied as asked (not clipped), so a policy that leaves its limits shows."""
-    changes: Dict[str, Any] = {}
-    explicit = rule_lr = None
-    for d in decisions:
-        changes.update(d.changes())
-        if d.lr is not None:
-            if d.policy.startswith("lr-rule"):
-                rule_lr = d.lr
-            else:
-                explicit = d.lr
-    new_batch = int(changes.get("batch_size", job.batch))
-    if explicit is not None:
-        job.lr = job.base_lr = float(explicit)
+    """The job applying ``PolicyEngine.plan``'s fields (the engine's own merge). Values are
+    applied as asked (not clipped), so a policy that leaves its limits shows."""
+    fields, _ = merge_decisions(decisions, snap, ramp_steps)
+    new_batch = int(fields.get("batch_size", job.batch))
+    if "lr" in fields:
+        job.lr = job.base_lr = fields["lr"]
         job.base_batch, job.ramp = new_batch, None
-    elif rule_lr is not None:
-        steps = ramp_steps if "batch_size" in changes else 0
-        job.ramp = Ramp(snap.step, int(steps), float(snap.lr), float(rule_lr))
-        job.lr = float(rule_lr)
+    elif "ramp" in fields:
+        job.ramp = Ramp(*fields["ramp"])
+        job.lr = job.ramp.end_lr
     job.batch = new_batch
-    job.workers = int(changes.get("world_size", job.workers))
+    job.workers = int(fields.get("world_size", job.workers))
 
 
 # -- results -----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from hpcadapt.base.errors import ConfigurationError, PolicyError, on_every_rank
 from hpcadapt.base.plan import Plan
 
-from hpcadapt.policies.base import Decision, MetricsSnapshot, Policy
+from hpcadapt.policies.base import Decision, MetricsSnapshot, Policy, merge_decisions
 from hpcadapt.policies.lr_rules import LRRule
 
 __all__ = ["PolicyEngine"]
@@ -135,38 +135,7 @@ class PolicyEngine:
 
     def plan(self, decisions: List[Decision], snap: MetricsSnapshot, version: int) -> Plan:
         """The typed plan every rank applies for these decisions."""
-        changes: Dict[str, Any] = {}
-        explicit_lr = None
-        rule_lr = None
-        reason = ""
-        for d in decisions:
-            changes.update(d.changes())
-            if d.lr is not None:
-                if d.policy.startswith("lr-rule"):
-                    rule_lr = d.lr
-                else:
-                    explicit_lr = d.lr
-            if d.world_size is not None or d.strategy is not None or d.topology is not None:
-                reason = f"{d.policy}: {d.reason}"
-        fields: Dict[str, Any] = {}
-        if explicit_lr is not None:
-            fields.update(lr=float(explicit_lr), base_lr=float(explicit_lr),
-                          base_batch_size=int(changes.get("batch_size", snap.batch_size)))
-        elif rule_lr is not None:
-            steps = self.lr_rule.ramp_steps if "batch_size" in changes else 0
-            fields["ramp"] = (snap.step, int(steps), float(snap.lr), float(rule_lr))
-        if "batch_size" in changes:
-            fields["batch_size"] = int(changes["batch_size"])
-        if "momentum" in changes:
-            fields["momentum"] = float(changes["momentum"])
-        if "strategy" in changes:
-            fields["strategy"] = dict(changes["strategy"])
-        if "topology" in changes:
-            fields["topology"] = str(changes["topology"])
-        if "world_size" in changes:
-            fields["world_size"] = int(changes["world_size"])
-            if changes.get("remove_rank") is not None:
-                fields["remove_rank"] = int(changes["remove_rank"])
+        fields, reason = merge_decisions(decisions, snap, self.lr_rule.ramp_steps)
         records = [{"policy": d.policy, "changes": d.changes(), "reason": d.reason,
                     "metrics": d.metrics} for d in decisions]
         return Plan(version=version, step=snap.step, reason=reason, decisions=records,

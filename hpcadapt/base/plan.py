@@ -6,11 +6,45 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from hpcadapt.base.errors import ConfigurationError
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "check_changes"]
+
+
+def check_changes(values: Mapping[str, Any], prefix: str = "") -> None:
+    """ConfigurationError (``prefix`` + the field's name first) if a change cannot be
+    applied: the one check of a policy's ``Decision`` and of the ``Plan`` made of them.
+    Fields absent or None are not checked."""
+    def get(name):
+        return values.get(name)
+
+    for name in ("batch_size", "base_batch_size", "world_size"):
+        v = get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or int(v) != v or v < 1):
+            raise ConfigurationError(f"{prefix}{name} must be a positive integer, got {v!r}")
+    for name in ("lr", "base_lr"):
+        v = get(name)
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ConfigurationError(f"{prefix}{name} must be positive and finite, got {v!r}")
+    momentum = get("momentum")
+    if momentum is not None and not (isinstance(momentum, (int, float)) and 0 <= momentum < 1):
+        raise ConfigurationError(f"{prefix}momentum must be in [0, 1), got {momentum!r}")
+    if get("strategy") is not None:
+        from hpcadapt.base.strategies import Strategy
+
+        Strategy.from_dict(get("strategy"))
+    if get("topology") is not None:
+        from hpcadapt.base.topology_names import parse_topology
+
+        parse_topology(get("topology"))
+    remove = get("remove_rank")
+    if remove is not None and (get("world_size") is None or remove < 1):
+        raise ConfigurationError(
+            f"{prefix}remove_rank needs a world_size and must name a rank >= 1 (rank 0 "
+            f"coordinates), got {remove!r}")
 
 
 @dataclass(frozen=True)
@@ -38,30 +72,11 @@ class Plan:
 
     def validate(self) -> None:
         """ConfigurationError if any part cannot be applied (then none of it is)."""
-        def positive_int(name):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ConfigurationError(f"plan {name} must be a positive integer, got {v!r}")
-
-        def positive_float(name):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ConfigurationError(f"plan {name} must be positive and finite, got {v!r}")
-
-        for n in ("batch_size", "base_batch_size", "world_size"):
-            positive_int(n)
-        for n in ("lr", "base_lr"):
-            positive_float(n)
-        if self.momentum is not None and not (0 <= self.momentum < 1):
-            raise ConfigurationError(f"plan momentum must be in [0, 1), got {self.momentum!r}")
-        if self.strategy is not None:
-            from hpcadapt.base.strategies import Strategy
-
-            Strategy.from_dict(self.strategy)
-        if self.topology is not None:
-            from hpcadapt.base.topology_names import parse_topology
-
-            parse_topology(self.topology)
+        check_changes(asdict(self), prefix="plan ")
+        for name in ("batch_size", "base_batch_size", "world_size"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), int):
+                raise ConfigurationError(f"plan {name} must be a positive integer, got "
+                                         f"{getattr(self, name)!r}")
         if self.ramp is not None:
             start, steps, a, b = self.ramp
             if steps < 0 or not all(math.isfinite(x) and x > 0 for x in (a, b)):

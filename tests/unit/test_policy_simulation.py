@@ -171,3 +171,27 @@ def test_reversals_counts_changes_of_direction():
     assert reversals([1, 2, 1, 2]) == 2
     assert reversals([8, 4, 4, 8]) == 1
     assert reversals([]) == 0
+
+
+@pytest.mark.parametrize("decisions", [
+    [("gns-batch", dict(batch_size=64)), ("lr-rule:sqrt", dict(lr=0.2))],
+    [("schedule", dict(batch_size=48, lr=0.05)), ("autoscale", dict(world_size=3))],
+    [("lr-rule:sqrt", dict(lr=0.3))],
+])
+def test_the_simulator_applies_the_engines_own_plan(decisions):
+    """The simulator merges decisions with the engine's own function: the job it simulates
+    ends where the engine's plan puts the real one (batch, workers, rate after the ramp)."""
+    from hpcadapt.adapt.engine import PolicyEngine
+    from hpcadapt.policies.base import Decision, MetricsSnapshot
+    from hpcadapt.policies.lr_rules import LRRule
+    from hpcadapt.policies.simulate import _apply, _Job
+
+    snap = MetricsSnapshot(step=10, epoch=0, world_size=2, batch_size=32, lr=0.1, momentum=0.9,
+                           base_lr=0.1, base_batch_size=32)
+    made = [Decision(reason="r", policy=name, **changes) for name, changes in decisions]
+    plan = PolicyEngine([], LRRule("sqrt", 8)).plan(made, snap, version=0)
+    job = _Job(batch=32, workers=2, lr=0.1, base_lr=0.1, base_batch=32)
+    _apply(job, made, snap, 8)
+    assert job.batch == (plan.batch_size or 32) and job.workers == (plan.world_size or 2)
+    rate = plan.lr if plan.lr is not None else plan.ramp[3]
+    assert job.lr_at(10 + 100) == pytest.approx(rate)
