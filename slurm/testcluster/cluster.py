@@ -482,6 +482,8 @@ MpiDefault=none
 SlurmdParameters=config_overrides
 SchedulerParameters=permit_job_expansion
 SchedulerType=sched/backfill
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 JobRequeue=1
 EnforcePartLimits=ALL
 ReturnToService=2
@@ -495,6 +497,11 @@ NodeName=n[1-{self.nodes}] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[{firs
 PartitionName=debug Nodes=n[1-{self.nodes}] Default=YES MaxTime=INFINITE State=UP
 # A partition with a limit, to see a request refused: jobs of at most one minute.
 PartitionName=short Nodes=n[1-{self.nodes}] MaxTime=1 State=UP
+# Preemption as sites run it: a job of the higher tier preempts the others on its nodes,
+# which are requeued (their steps and batch shell get SIGTERM, SIGKILL KillWait later).
+PartitionName=urgent Nodes=n[1-{self.nodes}] MaxTime=INFINITE PriorityTier=10 PreemptMode=OFF State=UP
+# ... and a partition whose preempted jobs are cancelled, not requeued (a scavenger queue).
+PartitionName=scavenger Nodes=n[1-{self.nodes}] MaxTime=INFINITE PreemptMode=CANCEL State=UP
 """
         self.slurm_conf.write_text(conf, encoding="utf-8")
         dbd = f"""AuthType=auth/munge

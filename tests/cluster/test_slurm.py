@@ -368,10 +368,7 @@ def test_a_joined_worker_killed_on_slurm_is_recovered_from_and_its_node_released
             failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
                                tmp_path)[0]
         except Exception:
-            if "task 0: Segmentation fault" in output_so_far(tmp_path, job):
-                pytest.xfail("MPICH 5.0.2 crashed (SIGSEGV) in the survivor after the joined "
-                             "worker's death, inside MPI (docs/guides/failures.md: 'Known: "
-                             "MPICH 5.0.2 itself crashes'); passes when it does not")
+            xfail_if_mpich_crashed(tmp_path, job, "after the joined worker's death")
             raise
         wait_for(lambda: [s for s in records(metrics, "step")
                           if s["world_size"] == 1 and s["step"] > failure["step"] + 5],
@@ -478,6 +475,15 @@ def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, t
 RESUMED = re.compile(r"resumed from (\S+) at epoch (\d+), step (\d+)")
 
 
+def xfail_if_mpich_crashed(folder: Path, job: str, when: str) -> None:
+    """When rank 0 of the training ended in SIGSEGV (srun says so): MPICH 5.0.2's own crash
+    inside MPI after a peer's death (docs/guides/failures.md: 'Known: MPICH 5.0.2 itself
+    crashes'), not hpcadapt's; an xfail naming it (the test passes when it does not)."""
+    if "task 0: Segmentation fault" in output_so_far(folder, job):
+        pytest.xfail(f"MPICH 5.0.2 crashed (SIGSEGV) in the training's rank 0 {when}, inside "
+                     f"MPI")
+
+
 @pytest.mark.slurm
 @pytest.mark.parametrize("stop", [
     (["scancel", "--signal=USR1"], "SIGUSR1", "requeueing job {job}"),
@@ -526,6 +532,69 @@ def test_a_stopped_job_saves_its_state_and_the_requeued_job_finishes_exactly_onc
     assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"])
     assert summary["epochs"] > epoch_stopped
     assert not (tmp_path / f"hpcadapt-{job}.ckpt").exists()  # removed once training finished
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("partition", ["debug", "scavenger"])
+def test_a_job_preempted_by_a_higher_tier_is_saved_and_resumes_exactly_once(
+        cluster, tmp_path, cancel_leftovers, partition):
+    """Issue 42, preemption as sites configure it (PreemptType=preempt/partition_prio): a job
+    of the `urgent` partition's higher tier takes the training's node, and the training
+    saves on Slurm's SIGTERM. Where the partition requeues preempted jobs (PreemptMode=
+    REQUEUE, `debug`), Slurm requeues it and, once the urgent job is done, it resumes at the
+    step and finishes COMPLETED; the output says it was preempted and requeued. Where it
+    cancels them (`scavenger`), the job ends PREEMPTED and its output says in one line how to
+    resume, and that command resumes it to COMPLETED. Every sample once per epoch."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+
+    stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
+    args = UNTIL_STOPPED + ["--metrics-file", "m.jsonl", "--sample-log", "samples",
+                            "--stop-file", str(stop)]
+    job = submit(TRAIN_SBATCH, args, env=job_env(), cwd=str(tmp_path),
+                 sbatch_options=[f"--partition={partition}"])
+    cancel_leftovers.append(job)
+    wait_for(lambda: len(records(metrics, "step")) >= 100, "100 steps in the metrics", job,
+             tmp_path)
+    node = run_slurm(["squeue", "-h", "-j", job, "-o", "%N"]).strip()
+    # a short job of the higher tier on the training's node
+    urgent = run_slurm(["sbatch", "--parsable", "--partition=urgent", "-w", node,
+                        "--exclusive", "--time=1", "--output=urgent-%j.out", "--wrap",
+                        "sleep 2"], env=job_env(), cwd=str(tmp_path)).strip().split(";")[0]
+    cancel_leftovers.append(urgent)
+    resumed_by = job
+    if partition == "scavenger":
+        final = JobWatcher().wait_until_gone(job, 300)
+        out = job_output(tmp_path, job)
+        assert final.state == "PREEMPTED", out[-3000:]
+        said = re.search(r"was not requeued \(preempted, and its partition does not requeue "
+                         r"preempted jobs\); to resume from its state, submit the same "
+                         r"command again with CHECKPOINT=(\S+)", out)
+        assert said and Path(said.group(1)).exists(), out[-3000:]
+        resumed_by = submit(TRAIN_SBATCH, args, env=job_env(CHECKPOINT=said.group(1)),
+                            cwd=str(tmp_path), sbatch_options=[f"--partition={partition}"])
+        cancel_leftovers.append(resumed_by)
+    resumed = wait_for(lambda: RESUMED.search(output_so_far(tmp_path, resumed_by)),
+                       "the preempted job resuming from its checkpoint", resumed_by, tmp_path)
+    epoch_stopped = int(resumed.group(2))
+    wait_for(lambda: epochs_logged(metrics) >= max(4, epoch_stopped + 1)
+             and any(r["epoch"] > epoch_stopped for r in records(metrics, "step")),
+             f"the resumed job past epoch {epoch_stopped}", resumed_by, tmp_path)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(resumed_by, 300)
+    out = job_output(tmp_path, resumed_by)
+    assert final.state == "COMPLETED", out[-3000:]
+    first = job_output(tmp_path, job)
+    assert "stopped on SIGTERM" in first, first[-3000:]
+    if partition == "debug":
+        assert f"job {job} was preempted and is requeued by Slurm" in out, out[-3000:]
+        assert "not requeued" not in out, out[-3000:]
+        shown = parse_key_values(run_slurm(["scontrol", "show", "job", job]))
+        assert shown["Restarts"] == "1"
+    summary = summary_of(out)
+    assert summary["final_test_accuracy"] >= 0.95 and summary["stopped"] is None
+    assert_each_sample_at_most_once_per_epoch(tmp_path, summary["epochs"])
+    states = run_slurm(["sacct", "-n", "-X", "-P", "--duplicates", "-j", job, "-o", "State"])
+    assert "FAILED" not in states, states
 
 
 @pytest.mark.slurm
@@ -824,8 +893,12 @@ def test_a_companions_node_failing_is_a_workers_death_not_a_stop_of_the_training
         run_slurm(["scontrol", "update", f"nodename={node}", "state=down",
                    "reason=hpcadapt test: node failure"])
         try:
-            failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
-                               tmp_path)[0]
+            try:
+                failure = wait_for(lambda: records(metrics, "failure"), "the failure record",
+                                   job, tmp_path)[0]
+            except Exception:
+                xfail_if_mpich_crashed(tmp_path, job, "after its companion's node failed")
+                raise
             wait_for(lambda: [s for s in records(metrics, "step")
                               if s["world_size"] == 1 and s["step"] > failure["step"] + 5],
                      "steps on 1 worker after the node failed", job, tmp_path)

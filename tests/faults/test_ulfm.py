@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -650,6 +651,39 @@ def test_a_rank_killed_inside_a_slurm_job_is_survived(cluster, tmp_path, cancel_
     assert "NBC_Progress" not in said()  # the runtime's noise is filtered by the script
     summary = json.loads([l for l in said().splitlines() if l.startswith("{")][-1])
     assert summary["world_size"] == 2
+
+
+@pytest.mark.slurm
+def test_a_preempted_ulfm_job_is_requeued_by_slurm_and_resumes_from_its_checkpoint(
+        cluster, tmp_path, cancel_leftovers):
+    """Issue 42: preemption by the test cluster's higher tier (`urgent`, PreemptMode=REQUEUE
+    on the training's partition) of slurm/train-ulfm.sbatch: Slurm's SIGTERM reaches mpirun
+    with the ranks (it ends the launch before they save, as a plain scancel does), so the
+    state is the last --checkpoint-every one; Slurm requeues the job, which resumes from that
+    state and finishes COMPLETED. The output says it was preempted and requeued."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, wait_for
+    from hpcadapt.slurm.commands import run_slurm
+
+    job, stop, metrics, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2,
+                                                    "--checkpoint-every", "10")
+    node = run_slurm(["squeue", "-h", "-j", job, "-o", "%N"], env=job_env()).strip()
+    urgent = run_slurm(["sbatch", "--parsable", "--partition=urgent", "-w", node,
+                        "--exclusive", "--time=1", "--output=urgent-%j.out", "--wrap",
+                        "sleep 2"], env=job_env(), cwd=str(tmp_path)).strip().split(";")[0]
+    cancel_leftovers.append(urgent)
+    resumed = wait_for(lambda: re.search(r"resumed from \S+ at epoch \d+, step (\d+)",
+                                         said()),
+                       "the requeued job resuming from its checkpoint", job, 600)
+    at = int(resumed.group(1))
+    assert at >= 10, said()[-3000:]  # at least the first --checkpoint-every state
+    wait_for(lambda: [r for r in complete_rows(metrics) if r.get("event") == "step"
+                      and r["step"] > at + 5], "steps after the resume", job, 300)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(job, 300)
+    assert final.state == "COMPLETED", said()[-3000:]
+    assert (f"job {job} was preempted and is requeued by Slurm; it resumes from"
+            in said()), said()[-3000:]
+    assert "not requeued" not in said(), said()[-3000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT][:2 if FULL else 1],
