@@ -664,6 +664,8 @@ def test_a_preempted_ulfm_job_is_requeued_by_slurm_and_resumes_from_its_checkpoi
     from hpcadapt.slurm.testcluster.watch import JobWatcher, wait_for
     from hpcadapt.slurm.commands import run_slurm
 
+    session_tmp = os.environ["TMPDIR"]
+    daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
     job, stop, metrics, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2,
                                                     "--checkpoint-every", "10")
     node = run_slurm(["squeue", "-h", "-j", job, "-o", "%N"], env=job_env()).strip()
@@ -684,6 +686,7 @@ def test_a_preempted_ulfm_job_is_requeued_by_slurm_and_resumes_from_its_checkpoi
     assert (f"job {job} was preempted and is requeued by Slurm; it resumes from"
             in said()), said()[-3000:]
     assert "not requeued" not in said(), said()[-3000:]
+    _remove_killed_daemons_folders(session_tmp, daemons_before)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT][:2 if FULL else 1],
@@ -799,35 +802,56 @@ def test_a_stop_after_a_recovered_failure_leaves_nothing_behind(tmp_path, agent)
 
 
 
+def _remove_killed_daemons_folders(session_tmp: str, before: set) -> None:
+    """The session folder of an Open MPI daemon that Slurm's signal killed (Open MPI's, not
+    ours) is left behind: removed, so that the session's check for leftovers looks at the
+    rest."""
+    for name in os.listdir(session_tmp):
+        if name.startswith("prted.") and name not in before:
+            shutil.rmtree(os.path.join(session_tmp, name), ignore_errors=True)
+
+
+# How Slurm stops a job, and what the job's output then says (FULL: every way; CI: the
+# every-step USR1 and scontrol requeue, the two paths the others share).
+ULFM_STOPS = [(["scancel", "--signal=USR1"], "requeueing job {job}"),
+              (["scontrol", "requeue"], "job {job} is requeued by Slurm"),
+              (["scancel", "--batch", "--signal=USR1"], "requeueing job {job}"),
+              (["scancel", "--full", "--signal=USR1"], "requeueing job {job}")]
+
+
 @pytest.mark.slurm
-def test_usr1_to_every_step_of_the_ulfm_job_script_requeues_and_resumes(cluster, tmp_path,
-                                                                        cancel_leftovers):
+@pytest.mark.parametrize("stop_with, line", ULFM_STOPS if FULL else ULFM_STOPS[:2],
+                         ids=["every-step", "requeue", "batch-shell", "full"][
+                             :4 if FULL else 2])
+def test_a_stopped_ulfm_job_script_is_requeued_and_resumes(cluster, tmp_path,
+                                                           cancel_leftovers, stop_with, line):
     """Issue 42: `scancel --signal=USR1 JOB` (every step of the job, mpirun's daemons too)
     ended the run of slurm/train-ulfm.sbatch as COMPLETED 0:0 with nothing requeued: the
     daemons die of the signal and take the job down (mpirun can then exit 0), whether or not
     the ranks saved first. The agent, which knows the training did not reach its end (no exit
     code recorded), exits 75 and the script requeues; the requeued job resumes (from the
-    checkpoint where the ranks saved in time, else from the start) and ends COMPLETED by its
-    stop file."""
+    checkpoint where the ranks saved in time, else from --checkpoint-every's) and ends
+    COMPLETED by its stop file. The same for USR1 to the batch shell alone (passed on to the
+    launcher), to both (one stop), and for `scontrol requeue` (TERM everywhere: Slurm
+    requeues it itself, and the output says so)."""
     from hpcadapt.slurm.testcluster.watch import JobWatcher, wait_for
 
     session_tmp = os.environ["TMPDIR"]
     daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
-    job, stop, _, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2)
-    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=60)
+    job, stop, _, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2,
+                                              "--checkpoint-every", "10")
+    subprocess.run([*stop_with, job], check=True, timeout=60)
     wait_for(lambda: "(restart 1)" in said(), "the requeued job starting again", job, 300)
     wait_for(lambda: said().count("training on 2 workers") >= 2, "the requeued job training",
              job, 300)
     stop.touch()
     final = JobWatcher().wait_until_gone(job, 300)
     assert final.state == "COMPLETED", said()[-3000:]
-    assert f"requeueing job {job}" in said(), said()[-3000:]
+    assert line.format(job=job) in said(), said()[-3000:]
+    assert "not requeued" not in said(), said()[-3000:]
+    assert "(restart 2)" not in said(), said()[-3000:]  # one stop, one requeue
     assert not (tmp_path / f"hpcadapt-{job}.ckpt").exists()
-    # The daemon Slurm's signal killed leaves its session folder (Open MPI's, not ours):
-    # removed here, so that the session's check for leftovers looks at the rest.
-    for name in os.listdir(session_tmp):
-        if name.startswith("prted.") and name not in daemons_before:
-            shutil.rmtree(os.path.join(session_tmp, name), ignore_errors=True)
+    _remove_killed_daemons_folders(session_tmp, daemons_before)
 
 
 @pytest.mark.slurm
@@ -851,9 +875,7 @@ def test_a_plain_scancel_of_the_ulfm_job_script_says_how_to_resume(cluster, tmp_
     assert len(lines) == 1, said()[-3000:]
     assert f"CHECKPOINT={tmp_path / f'hpcadapt-{job}.ckpt'}" in lines[0]
     assert "(restart 1)" not in said() and "requeueing" not in said()
-    for name in os.listdir(session_tmp):  # the daemon the signal killed (see above)
-        if name.startswith("prted.") and name not in daemons_before:
-            shutil.rmtree(os.path.join(session_tmp, name), ignore_errors=True)
+    _remove_killed_daemons_folders(session_tmp, daemons_before)
 
 
 @pytest.mark.slurm
