@@ -855,6 +855,45 @@ def test_a_stopped_ulfm_job_script_is_requeued_and_resumes(cluster, tmp_path,
 
 
 @pytest.mark.slurm
+@pytest.mark.skipif(not FULL, reason="make test-long (minutes of Slurm job time; USR1 to the "
+                                     "batch shell is the same signal path)")
+def test_the_ulfm_job_scripts_time_limit_signal_requeues_until_the_training_is_done(
+        cluster, tmp_path, cancel_leftovers):
+    """The real time limit of slurm/train-ulfm.sbatch: a two-minute job that needs longer;
+    Slurm sends USR1 to the batch shell (`B:USR1`) 60 s before the limit, the shell passes it
+    to the launcher, the state is saved, the job requeued and resumed; the test then ends it
+    by its stop file: COMPLETED, one resume per stop."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit, wait_for
+    from hpcadapt.slurm.commands import run_slurm
+
+    session_tmp = os.environ["TMPDIR"]
+    daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
+    stop = tmp_path / "STOP"
+    job = submit(str(ROOT / "slurm" / "train-ulfm.sbatch"),
+                 ["--epochs", "100000", "--model", "mlp", "--dataset", "digits", "--threads",
+                  "1", "--stop-file", str(stop)],
+                 env=job_env(NTASKS="2", MPIRUN_FLAGS="--oversubscribe"), cwd=str(tmp_path),
+                 sbatch_options=["--time=2", "--signal=B:USR1@60"])
+    cancel_leftovers.append(job)
+    out = tmp_path / f"hpcadapt-ulfm-{job}.out"
+
+    def said():
+        return out.read_text() if out.exists() else ""
+
+    wait_for(lambda: re.search(r"resumed from \S+ at epoch \d+, step \d+", said()),
+             "the job, requeued at its time-limit signal, resuming", job, 600)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(job, 600)
+    assert final.state == "COMPLETED", said()[-3000:]
+    shown = run_slurm(["scontrol", "-o", "show", "job", job], env=job_env())
+    restarts = int(re.search(r"Restarts=(\d+)", shown).group(1))
+    assert restarts >= 1
+    assert said().count("stopped on SIGUSR1") == restarts == said().count("resumed from")
+    assert said().count(f"requeueing job {job}") == restarts, said()[-3000:]
+    _remove_killed_daemons_folders(session_tmp, daemons_before)
+
+
+@pytest.mark.slurm
 def test_a_plain_scancel_of_the_ulfm_job_script_says_how_to_resume(cluster, tmp_path,
                                                                    cancel_leftovers):
     """Issue 42: a plain `scancel` of slurm/train-ulfm.sbatch (TERM to every step, mpirun's
