@@ -273,7 +273,7 @@ class MembershipChanges:
                         old, old + joiners, f"{reason}; abandoned: a rank of the job died "
                         f"before the merge", 0.0, False))
                 return
-            if previous != MPI_COMM_NULL():
+            if previous != _comm_null():
                 previous.Free()
             self.after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
                               decided)
@@ -292,7 +292,7 @@ class MembershipChanges:
             self.record_resize(ResizeOutcome(old, self.world.size, f"{reason}; merged, then "
                                               f"a death during the join: the joiners recover "
                                               f"with the job", 0.0, True))
-            if previous != MPI_COMM_NULL():
+            if previous != _comm_null():
                 world_mod.ABANDONED.append(previous)  # may hold the dead: never freed
 
     def _join_watchdog(self, workers):
@@ -584,7 +584,8 @@ class MembershipChanges:
         lifecycle.end_process(0)
 
 
-def MPI_COMM_NULL():
+def _comm_null():
+    """MPI.COMM_NULL (MPI imported where it is first needed)."""
     from hpcadapt.comm.mpi import MPI
 
     return MPI.COMM_NULL
