@@ -665,7 +665,7 @@ def test_a_preempted_ulfm_job_is_requeued_by_slurm_and_resumes_from_its_checkpoi
     from hpcadapt.slurm.commands import run_slurm
 
     session_tmp = os.environ["TMPDIR"]
-    daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
+    daemons_before = set(os.listdir(session_tmp))
     job, stop, metrics, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2,
                                                     "--checkpoint-every", "10")
     node = run_slurm(["squeue", "-h", "-j", job, "-o", "%N"], env=job_env()).strip()
@@ -803,12 +803,33 @@ def test_a_stop_after_a_recovered_failure_leaves_nothing_behind(tmp_path, agent)
 
 
 def _remove_killed_daemons_folders(session_tmp: str, before: set) -> None:
-    """The session folder of an Open MPI daemon that Slurm's signal killed (Open MPI's, not
-    ours) is left behind: removed, so that the session's check for leftovers looks at the
+    """What Slurm's signals leave behind once the job is gone. The session folder of an Open
+    MPI daemon its signal killed (Open MPI's, not ours) is removed. The agent's folder is
+    the agent's to remove on its way out: waited for (the agent may still be reaping the
+    launch's last processes when squeue no longer shows the job), and removed here only
+    when its agent is dead, which is Slurm's SIGKILL KillWait seconds after its TERM (seen
+    once in CI on a busy machine): so that the session's check for leftovers looks at the
     rest."""
-    for name in os.listdir(session_tmp):
-        if name.startswith("prted.") and name not in before:
-            shutil.rmtree(os.path.join(session_tmp, name), ignore_errors=True)
+    import time
+
+    from hpcadapt.base.agent_files import AGENT_FILE
+
+    deadline = time.monotonic() + 120
+    for name in sorted(os.listdir(session_tmp)):
+        path = os.path.join(session_tmp, name)
+        if name in before:
+            continue
+        if name.startswith("prted."):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith("hpcadapt-agent-"):
+            try:
+                pid = int(open(os.path.join(path, AGENT_FILE), encoding="ascii").read())
+            except (OSError, ValueError):
+                continue  # removed meanwhile (or being written): the agent's
+            while alive(pid) and os.path.isdir(path) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not alive(pid), f"the job's agent (pid {pid}) outlived the job by 120 s"
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # How Slurm stops a job, and what the job's output then says (FULL: every way; CI: the
@@ -837,7 +858,7 @@ def test_a_stopped_ulfm_job_script_is_requeued_and_resumes(cluster, tmp_path,
     from hpcadapt.slurm.testcluster.watch import JobWatcher, wait_for
 
     session_tmp = os.environ["TMPDIR"]
-    daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
+    daemons_before = set(os.listdir(session_tmp))
     job, stop, _, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2,
                                               "--checkpoint-every", "10")
     subprocess.run([*stop_with, job], check=True, timeout=60)
@@ -867,7 +888,7 @@ def test_the_ulfm_job_scripts_time_limit_signal_requeues_until_the_training_is_d
     from hpcadapt.slurm.commands import run_slurm
 
     session_tmp = os.environ["TMPDIR"]
-    daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
+    daemons_before = set(os.listdir(session_tmp))
     stop = tmp_path / "STOP"
     job = submit(str(ROOT / "slurm" / "train-ulfm.sbatch"),
                  ["--epochs", "100000", "--model", "mlp", "--dataset", "digits", "--threads",
@@ -904,7 +925,7 @@ def test_a_plain_scancel_of_the_ulfm_job_script_says_how_to_resume(cluster, tmp_
     from hpcadapt.slurm.testcluster.watch import JobWatcher
 
     session_tmp = os.environ["TMPDIR"]
-    daemons_before = {n for n in os.listdir(session_tmp) if n.startswith("prted.")}
+    daemons_before = set(os.listdir(session_tmp))
     job, _, _, said = _ulfm_job_at_step_20(tmp_path, cancel_leftovers, 2,
                                            "--checkpoint-every", "5")
     subprocess.run(["scancel", job], check=True, timeout=60)
