@@ -475,6 +475,23 @@ def test_a_request_pending_past_the_timeout_is_cancelled_and_reported(cluster, t
 RESUMED = re.compile(r"resumed from (\S+) at epoch (\d+), step (\d+)")
 
 
+def finish_after_the_resume(tmp_path: Path, metrics: Path, stop: Path, job: str):
+    """Once ``job`` has resumed from its checkpoint and trained past the epoch it was stopped
+    in (at least 4 epochs in all: digits past 95 %), end it by its stop file; returns the
+    resume line's match, the job's final state and its output."""
+    from hpcadapt.slurm.testcluster.watch import JobWatcher
+
+    resumed = wait_for(lambda: RESUMED.search(output_so_far(tmp_path, job)),
+                       "the job resuming from its checkpoint", job, tmp_path)
+    epoch_stopped = int(resumed.group(2))
+    wait_for(lambda: epochs_logged(metrics) >= max(4, epoch_stopped + 1)
+             and any(r["epoch"] > epoch_stopped for r in records(metrics, "step")),
+             f"the resumed job past epoch {epoch_stopped}", job, tmp_path)
+    stop.touch()
+    final = JobWatcher().wait_until_gone(job, 300)
+    return resumed, final, job_output(tmp_path, job)
+
+
 def xfail_if_mpich_crashed(folder: Path, job: str, when: str) -> None:
     """When rank 0 of the training ended in SIGSEGV (srun says so): MPICH 5.0.2's own crash
     inside MPI after a peer's death (docs/guides/failures.md: 'Known: MPICH 5.0.2 itself
@@ -499,7 +516,7 @@ def test_a_stopped_job_saves_its_state_and_the_requeued_job_finishes_exactly_onc
     saved, requeued, resumed, COMPLETED, every sample once; the stop line and the requeue
     line reach the output."""
     command, signal_name, requeue_line = stop
-    from hpcadapt.slurm.testcluster.watch import JobWatcher, submit
+    from hpcadapt.slurm.testcluster.watch import submit
 
     stop, metrics = tmp_path / "STOP", tmp_path / "m.jsonl"
     job = submit(TRAIN_SBATCH, UNTIL_STOPPED + ["--metrics-file", "m.jsonl", "--sample-log",
@@ -509,16 +526,9 @@ def test_a_stopped_job_saves_its_state_and_the_requeued_job_finishes_exactly_onc
     wait_for(lambda: len(records(metrics, "step")) >= 100, "100 steps in the metrics", job,
              tmp_path)
     run_slurm([*command, job])
-    resumed = wait_for(lambda: RESUMED.search(output_so_far(tmp_path, job)),
-                       "the requeued job resuming from its checkpoint", job, tmp_path)
-    epoch_stopped = int(resumed.group(2))
     # The resumed job finishes the epoch the signal cut short (and digits gets past 95 %).
-    wait_for(lambda: epochs_logged(metrics) >= max(4, epoch_stopped + 1)
-             and any(r["epoch"] > epoch_stopped for r in records(metrics, "step")),
-             f"the resumed job past epoch {epoch_stopped}", job, tmp_path)
-    stop.touch()
-    final = JobWatcher().wait_until_gone(job, 300)
-    out = job_output(tmp_path, job)
+    resumed, final, out = finish_after_the_resume(tmp_path, metrics, stop, job)
+    epoch_stopped = int(resumed.group(2))
     assert final.state == "COMPLETED", out[-3000:]
     assert f"stopped on {signal_name}" in out, out[-3000:]
     assert requeue_line.format(job=job) in out, out[-3000:]
@@ -580,15 +590,7 @@ def test_a_job_preempted_by_a_higher_tier_is_saved_and_resumes_exactly_once(
         resumed_by = submit(script, args, env=dict(env, CHECKPOINT=said.group(1)),
                             cwd=str(tmp_path), sbatch_options=[f"--partition={partition}"])
         cancel_leftovers.append(resumed_by)
-    resumed = wait_for(lambda: RESUMED.search(output_so_far(tmp_path, resumed_by)),
-                       "the preempted job resuming from its checkpoint", resumed_by, tmp_path)
-    epoch_stopped = int(resumed.group(2))
-    wait_for(lambda: epochs_logged(metrics) >= max(4, epoch_stopped + 1)
-             and any(r["epoch"] > epoch_stopped for r in records(metrics, "step")),
-             f"the resumed job past epoch {epoch_stopped}", resumed_by, tmp_path)
-    stop.touch()
-    final = JobWatcher().wait_until_gone(resumed_by, 300)
-    out = job_output(tmp_path, resumed_by)
+    _, final, out = finish_after_the_resume(tmp_path, metrics, stop, resumed_by)
     assert final.state == "COMPLETED", out[-3000:]
     first = job_output(tmp_path, job)
     assert "stopped on SIGTERM" in first, first[-3000:]
