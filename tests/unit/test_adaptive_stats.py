@@ -489,5 +489,6 @@ def test_growth_has_one_set_of_defaults_on_every_task():
 
     assert shared(per_task["mnist1d"]) == shared(per_task["lm"])
     defaults = {p.name: p.default for p in DecayGrowth.params}
-    assert defaults["margin"] == 1.5 and defaults["temperature-power"] == 0.5
+    assert defaults["margin"] == 1.0 and defaults["temperature-power"] == 0.5
+    assert defaults["granularity"] == pytest.approx(2 ** 0.5, abs=1e-4)
     assert DecayGrowth.monitor_window == 4096

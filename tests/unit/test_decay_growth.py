@@ -55,20 +55,22 @@ def test_each_halving_doubles_the_batch_up_to_the_critical_batch():
     """A critical batch of 100: the halvings at c = 1/2 and 1/4 double 16 to 64; 128 is above
     100 x margin 1, so the later halvings stay rate decay. The first doubling comes where the
     cosine has halved."""
-    p = DecayGrowth(margin=1.0)
+    p = DecayGrowth(margin=1.0, granularity=2.0)
     changes = replay(p, _critical_100)
     assert [b for _, b in changes] == [32, 64]
     first = 64000 * (0.05 + 0.95 * 0.5)       # where c = 1/2
     assert first <= changes[0][0] < first + 200
-    assert p.handled >= 5 and p.grown == 2    # the later halvings stayed rate decay
+    assert p.stopped and p.grown == 2         # the later halvings stayed rate decay
 
 
 def test_the_margin_and_the_largest_batch_bound_the_growth():
-    assert [b for _, b in replay(DecayGrowth(margin=2.0), _critical_100)] == [32, 64, 128]
-    assert [b for _, b in replay(DecayGrowth(margin=100.0, max=64),
+    doubling = dict(granularity=2.0)
+    assert [b for _, b in replay(DecayGrowth(margin=2.0, **doubling),
+                                 _critical_100)] == [32, 64, 128]
+    assert [b for _, b in replay(DecayGrowth(margin=100.0, max=64, **doubling),
                                  _critical_100)] == [32, 64]
     # read raw (power 0), a constant noise scale of 100 is the same bound
-    assert [b for _, b in replay(DecayGrowth(margin=1.0, temperature_power=0.0),
+    assert [b for _, b in replay(DecayGrowth(margin=1.0, temperature_power=0.0, **doubling),
                                  lambda s, c: 100.0)] == [32, 64]
 
 
@@ -94,13 +96,20 @@ def test_a_cosine_tail_does_not_grow_the_batch_of_the_lm_under_gns_batch():
 
 
 def test_decay_growth_on_the_lm_path_stops_at_the_critical_batch():
-    """The same path: the critical batch read at the peak rate is 50, so 16 -> 32 -> 64 and
-    no further at margin 1.5 (read raw, the rising tail would have allowed 256)."""
-    p = DecayGrowth()
+    """The same path: the critical batch read at the peak rate is 50, so doublings go 16 ->
+    32 -> 64 and no further at margin 1.5 (read raw, the rising tail would have allowed
+    256)."""
+    p = DecayGrowth(margin=1.5, granularity=2.0)
     assert [b for _, b in replay(p, _lm_cosine_tail)] == [32, 64]
     assert p.stopped
-    assert [b for _, b in replay(DecayGrowth(margin=1.0), _lm_cosine_tail)] == [32]
-    raw = [b for _, b in replay(DecayGrowth(temperature_power=0.0), _lm_cosine_tail)]
+    # the defaults (steps of sqrt(2), margin 1): 23, 32, 45, and 64 > 50 is refused
+    p = DecayGrowth()
+    assert [b for _, b in replay(p, _lm_cosine_tail)] == [23, 32, 45]
+    assert p.stopped
+    assert [b for _, b in replay(DecayGrowth(margin=1.0, granularity=2.0),
+                                 _lm_cosine_tail)] == [32]
+    raw = [b for _, b in replay(DecayGrowth(margin=1.5, temperature_power=0.0, granularity=2.0),
+                                _lm_cosine_tail)]
     assert raw == [32, 64, 128, 256]
 
 
@@ -108,7 +117,7 @@ def test_once_a_halving_stays_a_decay_so_do_the_later_ones():
     """The noise scale read late in the tail can rise past what was refused before (the
     weights settle): a refused halving ends the growth."""
     dipping = lambda s, c: 40.0 if c > 0.2 else 1000.0   # noqa: E731
-    p = DecayGrowth(margin=1.0, temperature_power=0.0)
+    p = DecayGrowth(margin=1.0, temperature_power=0.0, granularity=2.0)
     assert [b for _, b in replay(p, dipping)] == [32]     # 64 > 40 at c = 1/4: stop
     assert p.stopped and p.grown == 1
 
@@ -116,7 +125,27 @@ def test_once_a_halving_stays_a_decay_so_do_the_later_ones():
 def test_no_growth_while_the_noise_scale_is_unknown():
     p = DecayGrowth()
     changes = replay(p, lambda s, c: float("nan"))
-    assert changes == [] and p.handled >= 5
+    assert changes == [] and p.grown == 0
+
+
+def test_the_batch_follows_the_schedule_in_steps_of_the_granularity():
+    """Between the halvings too: each time the schedule's rate has fallen by another factor
+    of the granularity g, the batch becomes the peak's batch x g^k (the rate the schedule
+    would have cut, kept), until the next step would pass the critical batch x margin."""
+    g = 1.25
+    p = DecayGrowth(margin=1.0, granularity=g)
+    changes = replay(p, _critical_100)
+    assert [b for _, b in changes] == [round(16 * g ** k) for k in range(1, 9)]  # 20 .. 95
+    assert p.stopped                                   # 16 x 1.25^9 = 119 > 100
+    for k, (seen, batch) in enumerate(changes, start=1):
+        c = schedule_factor(seen / 64000, "cosine", warmup=0.05, warmup_floor=0.01)
+        assert g ** -k - 0.01 <= c <= g ** -k, (seen, batch, c)   # where it fell by g^k
+
+
+def test_a_granularity_at_or_below_one_is_refused():
+    for bad in (1.0, 0.5):
+        with pytest.raises(ConfigurationError, match="--decay-growth-granularity"):
+            DecayGrowth(granularity=bad)
 
 
 def test_decay_growth_needs_a_rate_rule():
@@ -130,7 +159,9 @@ def test_the_state_travels():
     replay(p, _critical_100)
     q = DecayGrowth()
     q.load_state_dict(p.state_dict())
-    assert (q.rates.peak, q.handled, q.grown) == (p.rates.peak, p.handled, p.grown)
+    assert (q.rates.peak, q.base, q.reached, q.grown, q.stopped) == (
+        p.rates.peak, p.base, p.reached, p.grown, p.stopped)
+    assert p.grown > 0 and p.base == 16
 
 
 def _world():
