@@ -31,6 +31,7 @@ from torch import nn
 from hpcadapt.base import agent_files as agent
 from hpcadapt.base import config, faults, lifecycle
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
+from hpcadapt.base.metrics import json_safe
 from hpcadapt.base.options import JobOptions, refuse_inconsistent
 from hpcadapt.base.preemption import StopSignals
 from hpcadapt.base import strategies
@@ -40,7 +41,7 @@ from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.data.loader import ElasticDataLoader, split_micro
 from hpcadapt.loop.adaptation import Adaptation
 from hpcadapt.adapt.control import StepTimes
-from hpcadapt.loop.failures import FailureRecovery
+from hpcadapt.loop.failures import FailureRecovery, RecoveryScope
 from hpcadapt.loop.resizing import MembershipChanges
 from hpcadapt.adapt.monitors import GradientNoiseScale
 from hpcadapt.loop.monitoring import Monitoring
@@ -81,11 +82,20 @@ class Job:
         if why:  # the same flags on every rank: said once, by rank 0
             raise on_every_rank(ConfigurationError(why))
         faults.arm()  # a wrong HPCADAPT_FAULT is refused here
+        # the metrics file's writer, handed to every collaborator (opened once the rank is
+        # known)
+        self.recorder = Recorder()
         # resizes, joins, leaving; how this process was started (to join a running job
-        # through a port's folder, spawned by Open MPI's grow, a warm spare of a rank 0)
-        self.membership = MembershipChanges(self, join_dir=config.take_join_dir(),
-                                            spawned_to_join=config.take_spawned_mark(),
-                                            spare_of=config.take_spare_mark())
+        # through a port's folder, spawned by Open MPI's grow, a warm spare of a rank 0).
+        # What it calls on collaborators created after it goes through these lambdas.
+        self.membership = MembershipChanges(
+            self, self.recorder, fail=lambda exc: self.stops.fail(exc),
+            check_replicas=lambda: self.monitoring.check_replicas_if_asked(),
+            queue_hook=lambda name, **extra: self.adaptation.queue_hook(name, **extra),
+            close_loader=lambda: self.stops.close_loader(),
+            resized=lambda: self.steps.resized(),
+            join_dir=config.take_join_dir(), spawned_to_join=config.take_spawned_mark(),
+            spare_of=config.take_spare_mark())
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         strategies.from_options(o.steps)  # a strategy's unusable settings are refused here
         from hpcadapt.comm.topology import parse_ranks_per_node, parse_topology
@@ -100,8 +110,8 @@ class Job:
         # Why it stopped, checkpoints, the resume, the exit code; the stop signals' handlers.
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
-        self.stops = Stops(self, StopSignals.named(o.stops.stop_signals,
-                                                   saves=bool(o.stops.checkpoint)).install())
+        self.stops = Stops(self, self.recorder, self.membership, StopSignals.named(
+            o.stops.stop_signals, saves=bool(o.stops.checkpoint)).install())
         companion_of = config.take_companion_of()
         if companion_of is not None:
             self.stops.signals.leave_instead(f"its companion job of Slurm job {companion_of} "
@@ -125,7 +135,10 @@ class Job:
         self.world.watch.stop_signals = self.stops.signals
         self.device_choice = setup_checks.choose_device(o, self.world)
         # the policies' plans; the hyper-parameters' writer (unusable policies refused here)
-        self.adaptation = Adaptation(self)
+        self.adaptation = Adaptation(
+            self, self.recorder, snapshot=self._snapshot,
+            check_replicas=lambda: self.monitoring.check_replicas_if_asked(),
+            request_resize=self.membership.request_resize)
         if o.membership.max_workers is not None:
             self.membership.setup_elastic()
         if not self.membership.joining:
@@ -133,15 +146,22 @@ class Job:
         # A run that will resume (its checkpoint is there) goes on in its metrics file;
         # any other starts the file anew.
         resuming = bool(o.stops.checkpoint) and os.path.exists(o.stops.checkpoint)
-        self.recorder = Recorder(None if self.membership.joining else o.recording.metrics_file,
-                                 enabled=self.world.rank == 0, resuming=resuming)
+        self.recorder.open(None if self.membership.joining else o.recording.metrics_file,
+                           enabled=self.world.rank == 0, resuming=resuming)
         if self.world.rank == 0 and not self.membership.joining:
             agent.record_coordinator()  # for the agent's signals, when there is one
         self.state: Optional[TrainingState] = None
         self.extra = UserState()
-        self.steps = StepRunner(self)  # the step in flight and what it leaves behind
-        self.recovery = FailureRecovery(self)  # a peer's death, recovered from in place
-        self.monitoring = Monitoring(self)  # noise scale, timings, snapshot, metrics lines
+        # noise scale, timings, snapshot, metrics lines
+        self.monitoring = Monitoring(self, self.recorder, self.adaptation.engine)
+        # the step in flight and what it leaves behind
+        self.steps = StepRunner(self, self.recorder, self.adaptation.engine, self.stops.signals,
+                                self.monitoring, follow_ramp=self.adaptation.follow_ramp,
+                                recoverable=lambda: self.recovery.recoverable,
+                                slot_ranks=self.membership.slot_ranks)
+        # a peer's death, recovered from in place
+        self.recovery = FailureRecovery(self, self.recorder, self.adaptation.engine,
+                                        self.stops.fail, self.membership, self.steps.roll_back)
         if o.recording.sample_log:
             self.recorder.open_sample_log(o.recording.sample_log)
 
@@ -198,8 +218,8 @@ class Job:
                                    GradientNoiseScale(o.monitoring.monitor_ema,
                                                       self.monitoring.config.window),
                                    self.extra, self.adaptation.engine)
-        self.state.strategy = strategy
-        self.state.topology = o.comm.topology
+        self.state.switch_strategy(strategy)
+        self.state.switch_topology(o.comm.topology)
         loader.bind(self._batches, self.state.global_batch_size)
         loader.sampler.job_driven = True
         if self.membership.joining:
@@ -323,14 +343,33 @@ class Job:
 
     def summary(self) -> Dict[str, Any]:
         """What the job did, as rank 0 prints it at the end (JSON-safe)."""
-        return self.stops.summary()
+        st = self._require_setup()
+        rounds = self.steps.rounds.totals
+        return json_safe({"final_test_accuracy": st.last_accuracy, "steps": st.step,
+                          "epochs": st.epoch, "world_size": self.world.size,
+                          "batch_size": st.hyper.batch_size, "lr": self.steps.last_rate(),
+                          "left": self.membership.left,
+                          "cluster_version": self.world.cluster_version,
+                          "resizes": self.membership.resizes, "stopped": self.stopped,
+                          "strategy": st.strategy.name,
+                          "model_digest": self.monitoring.model_digest(),
+                          "user_metrics": dict(self.recorder.user_metrics),
+                          **({"bounded_delay": rounds} if rounds else {})})
 
     def finish(self, *, exit: bool = True) -> Dict[str, Any]:
         """End the job on every rank: rank 0 prints the summary as one line of JSON (and
         writes ``--summary-json``), the checkpoint of a finished training is removed, MPI
         is released. After a stop signal it exits with 75 (the job script requeues) or 1
         when the state could not be saved, unless ``exit=False`` (then see ``exit_code``)."""
-        return self.stops.finish(exit=exit)
+        summary = self.summary()
+        self.stops.close_loader()
+        if self.world.rank == 0:
+            self.monitoring.end_progress()
+            self.stops.announce(summary)
+        self.recorder.close()
+        self.membership.release_workers()
+        self.stops.end(owns_checkpoint=not self.membership.joining, exit=exit)
+        return summary
 
     # -- records and checks, on every rank (loop/monitoring.py) -----------------------------
     def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: Any) -> None:
@@ -339,7 +378,8 @@ class Job:
         the user's own metrics (``ema_accuracy=0.91``): numbers, kept in the epoch line
         and, the last of each, in the summary. Raises ConfigurationError for a value that
         is not a number or a name that is a built-in field of the epoch line."""
-        self.monitoring.log_epoch(test_accuracy=test_accuracy, **extra)
+        self.monitoring.log_epoch(self._require_setup(), self.steps.last_rate(),
+                                  test_accuracy=test_accuracy, **extra)
 
     def log_eval(self, **metrics: Any) -> None:
         """Record an evaluation made during training (call on every rank, after a step;
@@ -349,7 +389,7 @@ class Job:
         (``job.log_eval(val_loss=1.9, val_accuracy=0.42)``). Nothing is printed (it may run
         often); the summary is not changed. Raises ConfigurationError for a value that is
         not a number or a name that is a built-in field of the eval line."""
-        self.monitoring.log_eval(**metrics)
+        self.monitoring.log_eval(self._require_setup(), self.steps.last_rate(), **metrics)
 
     def replicas_identical(self) -> bool:
         """Whether every rank holds bit-identical parameters and buffers (one small
@@ -394,8 +434,7 @@ class Job:
         self.monitoring.expect_epochs(count)
         # A resumed job, or a worker that joined a started one, skips the start's hooks; a
         # worker that joined before the first step (--initial-workers) runs them with all.
-        resuming = st.started
-        st.started = True
+        resuming = st.start()
         if not resuming:
             self._hook_in_scope("before_train")
         first = True
@@ -430,8 +469,7 @@ class Job:
                     skip_before = True  # the agreed state says which epoch this is
                     continue
                 if done:
-                    st.epoch += 1
-                    st.sampler.start_epoch(st.epoch)
+                    st.next_epoch()
             if self.membership.left or self.stopped or not self._agree_on_the_end():
                 break
             skip_before = True  # recovered at the end: the agreed state says where it is
@@ -524,12 +562,12 @@ class Job:
         whether training goes on in this epoch."""
         st = self.state
         self.recorder.count_step(count, self.steps.last_loss)
-        self.monitoring.log_step(count)
+        self.monitoring.log_step(count, self.steps.report())
         if self.steps.stop_requested:
             self.stops.stop_for_signal()
             return False
         if self.steps.nonfinite_run >= self.options.steps.max_nonfinite_steps:
-            self.stops.stop_for_divergence()
+            self.stops.stop_for_divergence(self.steps.nonfinite_run)
             return False
         if self.steps.finish_requested:
             self.stops.finish_by_stop_file()
@@ -550,13 +588,24 @@ class Job:
             self.adaptation.hook(name, **extra)
             if self.membership.left:
                 return False
-        if self.adaptation.due(round_end=round_end):
+        if self.adaptation.due(monitored=self.steps.monitored, round_end=round_end):
             self.adaptation.hook("after_step")
         if not self.membership.left:
             self.membership.poll()
         if self.membership.allocator is not None:
             self.membership.allocator.reap()  # launchers of workers that exited: no zombies
         return not self.membership.left
+
+    def _snapshot(self):
+        """Rank 0 at a step boundary: what the policies decide on (the last step's report,
+        the membership's room to grow)."""
+        elastic = self.membership.elastic
+        return self.monitoring.snapshot(
+            self.steps.report(),
+            max_workers=self.membership.slot_ranks() if elastic is not None
+            else self.world.size,
+            can_resize=elastic is not None, resizing=bool(elastic is not None
+                                                          and elastic.growing))
 
     def _over(self) -> bool:
         return bool(self.membership.left or self.stopped or self.stops.by_stop_file
@@ -612,29 +661,6 @@ class Job:
             raise on_every_rank(ConfigurationError(
                 "call job.setup(model, optimizer, loader) first"))
         return self.state
-
-
-class RecoveryScope:
-    """The loop's recovery scope (``with job.recovery_scope() as scope:``): a peer's
-    failure raised inside it is recovered from on leaving it (or ends the job), and the
-    code after it reads ``scope.recovered``. With ``Job.step`` (the user's call, where no
-    exception may go) the only way into a recovery. ``step_given_up``: set while the step
-    (round) in flight has not committed, so that the loop body's work for it is undone."""
-
-    def __init__(self, recover):
-        self._recover = recover
-        self.step_given_up = False
-        self.recovered = False
-
-    def __enter__(self) -> "RecoveryScope":
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if kind is None or not issubclass(kind, world_mod.FAILURES):
-            return False
-        self._recover(exc, step_given_up=self.step_given_up)  # or ends the job
-        self.recovered = True
-        return True
 
 
 def _options_of(args: Optional[argparse.Namespace], keywords: Mapping[str, Any]) -> JobOptions:

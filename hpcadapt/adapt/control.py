@@ -6,10 +6,11 @@ back after the reduction."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["ControlLayout", "ControlReading", "StepTimes"]
+__all__ = ["ControlLayout", "ControlReading", "StepReport", "StepTimes"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,20 @@ class StepTimes:
     compute_time: np.ndarray   # forward + backward (with communication launched inside)
     wait_time: np.ndarray      # waiting for the gradient allreduce to finish
     samples: np.ndarray        # samples each rank trained on in this step
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What the last committed step (round) did, as the monitoring and the policies read
+    it: the Job hands it over (``loop.steps.StepRunner.report``)."""
+
+    loss: float                   # the global mean loss
+    count: int                    # its global samples
+    step_time: float              # seconds, the step (round) whole
+    times: Optional[StepTimes]    # per rank: step, compute and wait times, samples
+    monitored: bool               # whether it measured the gradient statistics
+    used_settings: Dict[str, Any]  # the optimizer's settings as the update applied them
+    rate: float                   # the rate of the last update
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@ applies the same plan (hyper-parameters, strategy, topology, a resize asked for)
 
 ``Adaptation`` is the Job's collaborator for it and the one writer of the hyper-parameters
 (``state.hyper``): a plan's batch, rate, momentum and ramp, and the ramp's rate at each step.
-It reads the job's parts (options, world, state, policy engine, optimizer, recorder,
-monitoring) and assigns none of the Job's attributes."""
+It reads the job's parts (options, world, state, optimizer); it is given the recorder and
+the snapshot (the Job's: the monitoring's view of the last step), and assigns none of the
+Job's attributes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import logging
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.base import faults
@@ -22,6 +23,10 @@ from hpcadapt.base.plan import Plan
 from hpcadapt.base.strategies import Strategy
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
+from hpcadapt.loop.recording import Recorder
+
+if TYPE_CHECKING:
+    from hpcadapt.policies.base import MetricsSnapshot
 
 __all__ = ["Adaptation"]
 
@@ -32,10 +37,16 @@ class Adaptation:
     """The policies' decision at a step boundary and the plan applied on every rank; the
     learning-rate ramp a batch change starts."""
 
-    def __init__(self, job):
+    def __init__(self, job, recorder: Recorder, snapshot: Callable[[], MetricsSnapshot], *,
+                 check_replicas: Callable[[], Optional[bool]],
+                 request_resize: Callable[..., None]):
         from hpcadapt.policies.lr_rules import LRRule
 
         self.job = job
+        self.recorder = recorder
+        self.snapshot = snapshot   # what rank 0 knows at a step boundary (the Job's)
+        self.check_replicas = check_replicas  # --check-replicas after a switch (Monitoring's)
+        self.request_resize = request_resize  # a plan's new size (the membership's)
         o = job.options.adaptation
         #: the policies and the rate rule: a snapshot in, decisions and a plan out
         self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
@@ -44,12 +55,12 @@ class Adaptation:
         # the new world: the hook is collective)
         self._queued: list = []
 
-    def due(self, *, round_end: bool = False) -> bool:
+    def due(self, *, monitored: bool, round_end: bool = False) -> bool:
         """Whether the policies decide at this step boundary (their interval, or the end of
-        a bounded-delay round)."""
-        job = self.job
-        return self.engine.active and (round_end or self.engine.due(job.state.step,
-                                                                    job.steps.monitored))
+        a bounded-delay round); ``monitored``: whether the last step measured the gradient
+        statistics."""
+        return self.engine.active and (round_end or self.engine.due(self.job.state.step,
+                                                                    monitored))
 
     def queue_hook(self, name: str, **extra: Any) -> None:
         """Run the policies' hook ``name`` at the next step boundary."""
@@ -63,12 +74,7 @@ class Adaptation:
     def follow_ramp(self) -> None:
         """The reference rate of this step (a batch change's ramp moves it); the update
         applies it on top of the user's rates (``rates_scaled``)."""
-        st = self.job.state
-        h = st.hyper
-        if h.ramp is not None:
-            h.lr = h.lr_at(st.step)
-            if st.step - h.ramp[0] >= h.ramp[1]:
-                h.ramp = None
+        self.job.state.follow_ramp()
 
     def hook(self, name: str, **extra: Any) -> None:
         """Rank 0 decides with the policies; every rank applies the same plan. A peer's
@@ -79,7 +85,7 @@ class Adaptation:
         plan_text = ""
         snap = decisions = None
         if job.world.rank == 0:
-            snap = job.monitoring.snapshot()
+            snap = self.snapshot()
             decisions = self.engine.decide(name, snap, **extra)
             if decisions:
                 plan_text = self.engine.plan(decisions, snap, job.world.cluster_version).to_json()
@@ -107,7 +113,7 @@ class Adaptation:
                 changes = dict(d["changes"])
                 if "lr" in changes:
                     changes.update(lr=applied, lr_factor=factor)
-                job.recorder.write(DecisionRecord(
+                self.recorder.write(DecisionRecord(
                     step=snap.step, epoch=snap.epoch, policy=d["policy"], changes=changes,
                     reason=d["reason"], metrics=d["metrics"], world_size=job.world.size,
                     batch_size=plan.batch_size or snap.batch_size, lr=applied,
@@ -142,7 +148,7 @@ class Adaptation:
             new.ramp = tuple(plan.ramp)
             if plan.ramp[1] == 0:
                 new.lr, new.ramp = plan.ramp[3], None
-        job.state.hyper = new
+        job.state.set_hyper(new)
         if plan.momentum is not None:
             self._apply_momentum(plan.momentum)
         if plan.strategy is not None:
@@ -151,8 +157,9 @@ class Adaptation:
         if plan.topology is not None:
             self.switch_topology(plan.topology, plan.reason or "policy")
         if plan.world_size is not None and plan.world_size != job.world.size:
-            job.membership.request_resize(plan.world_size, plan.reason or "policy",
-                                remove=[plan.remove_rank] if plan.remove_rank is not None else None)
+            self.request_resize(plan.world_size, plan.reason or "policy",
+                                remove=[plan.remove_rank] if plan.remove_rank is not None
+                                else None)
 
     def switch_topology(self, topology: str, reason: str) -> None:
         """The gradients' allreduce topology from the next step on (``hpcadapt.comm.topology``:
@@ -172,11 +179,11 @@ class Adaptation:
                             "over NCCL, which routes them itself", name, reason)
             return
         old, version = st.topology, job.world.cluster_version
-        st.topology = name
+        st.switch_topology(name)
         job.world.bump_version()
         if job.world.rank == 0:
             log.info("allreduce topology %s -> %s at step %d (%s)", old, name, st.step, reason)
-        job.recorder.write(TopologyRecord(step=st.step, epoch=st.epoch, from_=old, to=name,
+        self.recorder.write(TopologyRecord(step=st.step, epoch=st.epoch, from_=old, to=name,
                                        reason=reason, previous_cluster_version=version,
                                        cluster_version=job.world.cluster_version))
 
@@ -215,18 +222,18 @@ class Adaptation:
                               "training goes on with %s after the recovery", old.name,
                               new.name, old.describe())
                 raise
-            identical = job.monitoring.check_replicas_if_asked()
+            identical = self.check_replicas()
         elif old.asynchronous and job.world.size > 1:
             # out of bounded delay: only rank 0's optimizer stepped (the models are rank
             # 0's since the round's end); its state goes to every rank
             broadcast_optimizer_state(job.optimizer.optimizer, root=0, world=job.world)
-            identical = job.monitoring.check_replicas_if_asked()
-        st.strategy = new
+            identical = self.check_replicas()
+        st.switch_strategy(new)
         job.world.bump_version()
         if job.world.rank == 0:
             log.info("strategy %s -> %s at step %d (%s)", old.describe(), new.describe(),
                      st.step, reason)
-        job.recorder.write(StrategyRecord(step=st.step, epoch=st.epoch, from_=old.to_dict(),
+        self.recorder.write(StrategyRecord(step=st.step, epoch=st.epoch, from_=old.to_dict(),
                                        to=new.to_dict(), reason=reason,
                                        previous_cluster_version=version,
                                        cluster_version=job.world.cluster_version,

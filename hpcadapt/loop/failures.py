@@ -15,7 +15,7 @@ import os
 import time
 import zlib
 from dataclasses import asdict, dataclass
-from typing import Optional, Tuple
+from typing import Callable, NoReturn, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -23,8 +23,10 @@ from hpcadapt.base import agent_files as agent, config, faults
 from hpcadapt.base.metrics import RecoveryRecord
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.world import CommView
+from hpcadapt.loop.recording import Recorder
+from hpcadapt.adapt.engine import PolicyEngine
 
-__all__ = ["FailureRecovery", "Recovered"]
+__all__ = ["FailureRecovery", "Recovered", "RecoveryScope"]
 
 log = logging.getLogger("hpcadapt.job")
 
@@ -42,13 +44,34 @@ class Recovered:
     why: str
 
 
+class RecoveryMembership(Protocol):
+    """What a recovery asks of the job's membership (``loop.resizing.MembershipChanges``)."""
+
+    def may_grow(self) -> bool: ...
+
+    def abandon_grow(self, why: str) -> None: ...
+
+    def released(self, dead: int) -> None: ...
+
+    def coordinator_may_move(self) -> bool: ...
+
+    def own_the_end(self) -> None: ...
+
+
 class FailureRecovery:
     """Detect, agree, shrink, survey, take the state of the survivor furthest on (see
     ``recover``). Reads the job's parts (options, world, state, step runner, optimizer,
     policy engine, recorder, elastic, allocator); ends the job through ``job.stops.fail``."""
 
-    def __init__(self, job):
+    def __init__(self, job, recorder: Recorder, engine: PolicyEngine,
+                 fail: Callable[[BaseException], NoReturn], membership: RecoveryMembership,
+                 roll_back: Callable[[], int]):
         self.job = job
+        self.recorder = recorder
+        self.engine = engine   # the policies' state, sent to survivors that lack it
+        self.fail = fail       # ends the job, state saved (Stops.fail)
+        self.membership = membership
+        self.roll_back = roll_back  # the step in flight undone (StepRunner.roll_back)
         # Set by a recovery: the loop's iteration it cut short starts again from the state
         # the survivors agreed on (read once, by the loop's scope: take_restart).
         self.restart_pending = False
@@ -64,7 +87,7 @@ class FailureRecovery:
         change, to undo it): more than one worker now, or workers that may join."""
         job = self.job
         return job.options.failures.on_failure == "recover" and (job.world.size > 1
-                                                        or job.membership.elastic is not None)
+                                                                 or self.membership.may_grow())
 
     def recover(self, exc: BaseException, *, holds_state: bool,
                 earlier: Optional["_RecoveryStart"] = None) -> Recovered:
@@ -86,14 +109,14 @@ class FailureRecovery:
         o, st = job.options, job.state
         exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         if o.failures.on_failure != "recover" or exc.cause not in ("dead", "notice"):
-            job.stops.fail(exc)
+            self.fail(exc)
         if earlier is None:
             earlier = _RecoveryStart(time.perf_counter(), job.world)
         t0, old_size, version = earlier.t0, earlier.old_size, earlier.version
         shrunk = None
 
         def expire(reason: str) -> None:
-            job.stops.fail(world_mod.PeerFailure(reason, cause="timeout"))
+            self.fail(world_mod.PeerFailure(reason, cause="timeout"))
 
         try:
             faults.point("recovery", st.step)  # a second death, during the recovery
@@ -104,7 +127,7 @@ class FailureRecovery:
                 agreement = recovery.agree(job.world, [exc.rank] if exc.rank >= 0 else [],
                                            o.failures.peer_timeout)
         except world_mod.FAILURES as again:
-            job.stops.fail(world_mod.as_failure(again, "the recovery"))
+            self.fail(world_mod.as_failure(again, "the recovery"))
         t_agreed = time.perf_counter()
         this_world = agreement
         agreement = earlier.in_first_world(this_world)  # the dead named in the first world
@@ -112,17 +135,15 @@ class FailureRecovery:
                                      coordinator_may_move=self.coordinator_may_move(),
                                      launch_survives=world_mod.ULFM)
         if why is not None:
-            job.stops.fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
+            self.fail(world_mod.PeerFailure(f"{exc}; no recovery: {why}",
                                             rank=agreement.dead[0] if agreement.dead else -1,
                                             cause="dead"))
         dead_pids = [earlier.pids[d] for d in agreement.dead]
         # The step in flight is given up: this rank goes back to its last commit before
         # the survivors compare states (the one furthest on is then everyone's).
-        rolled_from = job.steps.roll_back()
-        elastic = job.membership.elastic
-        if elastic is not None and elastic.growing:
-            # Joiners of a pending grow would connect to the old world: start again later.
-            job.membership.record_resize(elastic.abandon("a worker died"))
+        rolled_from = self.roll_back()
+        # Joiners of a pending grow would connect to the old world: start again later.
+        self.membership.abandon_grow("a worker died")
 
         with world_mod.Watchdog(o.failures.peer_timeout, "the recovery", expire):
             try:
@@ -138,7 +159,7 @@ class FailureRecovery:
                 root, same = self._survey_survivors(holds_state)
                 t_surveyed = time.perf_counter()
                 if not same:
-                    engine = job.adaptation.engine
+                    engine = self.engine
                     policy_state = engine.state_dict() if job.world.rank == 0 else None
                     view = CommView(job.world.comm, job.world.cluster_version,
                                     job.world.watch)
@@ -149,7 +170,7 @@ class FailureRecovery:
                 again = world_mod.as_failure(again, "the recovery")
                 if not (world_mod.ULFM and again.cause in ("dead", "notice")
                         and earlier.attempts + 1 < old_size):
-                    job.stops.fail(again)
+                    self.fail(again)
                 # The formation cut short: its communicator, with its new dead, is the world
                 # to shrink now (the step in flight was given up already).
                 return self.recover(again, holds_state=holds_state,
@@ -158,10 +179,8 @@ class FailureRecovery:
         phases = {"agree_s": t_agreed - t0, "form_world_s": t_formed - t_agreed,
                   "survey_s": t_surveyed - t_formed,
                   "state_broadcast_s": time.perf_counter() - t_surveyed if not same else None}
-        if job.membership.allocator is not None:
-            job.membership.allocator.released(len(agreement.dead))
-            job.membership.allocator.reap()
-        job.recorder.write(RecoveryRecord(
+        self.membership.released(len(agreement.dead))
+        self.recorder.write(RecoveryRecord(
             dead=list(agreement.dead), dead_pids=dead_pids, rank=agreement.dead[0],
             cause=exc.cause, detail=str(exc), step=st.step, step_in_flight=rolled_from,
             epoch=st.epoch, old_size=old_size, world_size=job.world.size,
@@ -179,12 +198,10 @@ class FailureRecovery:
         without --checkpoint is not replaced); and anywhere under ULFM, whose launch
         survives any rank. The same on every survivor: one agent, one environment, one
         allocator kind, one MPI."""
-        from hpcadapt.elastic.allocator import LocalAllocator
-
         if world_mod.ULFM:
             return True  # the launch survives any rank's death; mpirun waits for the rest
         return (config.agent_dir() is not None and not agent.stopping()
-                and isinstance(self.job.membership.allocator, LocalAllocator))
+                and self.membership.coordinator_may_move())
 
     def _take_coordinator_role(self) -> None:
         """The lowest survivor after rank 0 died: it writes the metrics file from here on,
@@ -194,10 +211,8 @@ class FailureRecovery:
         that moved since (cooldowns, probes: rank 0 alone held them). Every decision already
         applied (batch, rate, size) is in the training state that all ranks hold."""
         job = self.job
-        job.recorder.take_over(job.options.recording.metrics_file)
-        job.membership.own_the_end()  # a joiner no longer: it owns the checkpoint and the end
-        if job.membership.elastic is not None:
-            job.membership.elastic.warm_spares = job.options.membership.warm_spares
+        self.recorder.take_over(job.options.recording.metrics_file)
+        self.membership.own_the_end()  # a joiner no longer: it owns the checkpoint and the end
         agent.record_coordinator()
         log.warning("rank 0 died: this worker (pid %d) is the coordinator now (metrics "
                     "file, decisions, checkpoint, allocator); the policies' counters "
@@ -227,6 +242,29 @@ class FailureRecovery:
                                         "that did died during a join)", cause="dead")
         same = bool((table[:, :2] == table[0, :2]).all())
         return int(np.argmax(table[:, 0])), same
+
+
+class RecoveryScope:
+    """The loop's recovery scope (``with job.recovery_scope() as scope:``): a peer's
+    failure raised inside it is recovered from on leaving it (or ends the job), and the
+    code after it reads ``scope.recovered``. With ``Job.step`` (the user's call, where no
+    exception may go) the only way into a recovery. ``step_given_up``: set while the step
+    (round) in flight has not committed, so that the loop body's work for it is undone."""
+
+    def __init__(self, recover):
+        self._recover = recover
+        self.step_given_up = False
+        self.recovered = False
+
+    def __enter__(self) -> "RecoveryScope":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is None or not issubclass(kind, world_mod.FAILURES):
+            return False
+        self._recover(exc, step_given_up=self.step_given_up)  # or ends the job
+        self.recovered = True
+        return True
 
 
 class _RecoveryStart:

@@ -19,9 +19,13 @@ import torch
 
 from hpcadapt.base.metrics import StepRecord
 from hpcadapt.comm.collectives import ReduceOp, communicator
+from hpcadapt.adapt.control import StepReport, StepTimes
 from hpcadapt.adapt.monitors import MonitorConfig, SplitStep, estimate_from_replicas
 from hpcadapt.loop.progress_line import ProgressLine
 from hpcadapt.parallel.optimizer import GradientStats
+from hpcadapt.loop.recording import Recorder
+from hpcadapt.adapt.engine import PolicyEngine
+from hpcadapt.state.training import TrainingState
 
 __all__ = ["Monitoring"]
 
@@ -32,8 +36,10 @@ class Monitoring:
     """What the job measures and records: the gradient noise scale, per-rank timings,
     the snapshot the policies decide on, the step, epoch and eval lines."""
 
-    def __init__(self, job):
+    def __init__(self, job, recorder: Recorder, engine: PolicyEngine):
         self.job = job
+        self.recorder = recorder
+        self.engine = engine   # what the policies need measured
         self.split = SplitStep()  # one replica's noise-scale estimate, from inside the step
         self.config: Optional[MonitorConfig] = None   # set by configure (job.setup)
         o = job.options.recording
@@ -45,7 +51,7 @@ class Monitoring:
         import functools
 
         job = self.job
-        o, engine = job.options.monitoring, job.adaptation.engine
+        o, engine = job.options.monitoring, self.engine
         monitors = list(dict.fromkeys(list(o.monitors) + engine.required_monitors))
         intervals = [o.monitor_interval] if o.monitors else []
         intervals += [max(1, int(p.interval)) for p in engine.policies if p.requires]
@@ -99,14 +105,14 @@ class Monitoring:
         return [p.grad if p.grad is not None else torch.zeros_like(p)
                 for p in self.job.model.parameters() if p.requires_grad]
 
-    def update(self, stats, global_count: int) -> None:
-        """The step's gradient statistics into the noise-scale monitor."""
+    def update(self, stats, global_count: int, times: Optional[StepTimes]) -> None:
+        """The step's gradient statistics into the noise-scale monitor (``times``: the
+        step's per-rank samples)."""
         job = self.job
         if job.world.size >= 2:
             # Ranks whose share was empty (a short last batch) carry no gradient sample.
-            replicas = int(np.count_nonzero(job.steps.last_times.samples)) \
-                if job.steps.last_times \
-                is not None else job.world.size
+            replicas = int(np.count_nonzero(times.samples)) if times is not None \
+                else job.world.size
         else:
             replicas = self.split.parts   # the step's passes (1: too few samples to split)
         if replicas < 2:
@@ -117,17 +123,17 @@ class Monitoring:
             log.warning("step %d: non-finite gradient statistics skipped (|G|^2=%s, trS=%s)",
                         job.state.step, est.grad_sq, est.trace_sigma)
 
-    def _step_monitors(self) -> Dict[str, Any]:
+    def _step_monitors(self, report: StepReport) -> Dict[str, Any]:
         job = self.job
         gns = job.state.gns
         out: Dict[str, Any] = {}
-        if job.steps.monitored and gns.last is not None:
+        if report.monitored and gns.last is not None:
             lo, hi = gns.interval()
             out.update(noise_scale=gns.noise_scale, grad_sq=gns.grad_sq,
                        trace_sigma=gns.trace_sigma, noise_scale_lo=lo, noise_scale_hi=hi,
                        grad_variance=gns.trace_sigma / job.state.hyper.batch_size,
                        grad_snr=gns.snr(job.state.hyper.batch_size))
-        times = job.steps.last_times
+        times = report.times
         if times is not None:
             out.update(rank_step_time=times.step_time.round(6).tolist(),
                        rank_compute_time=times.compute_time.round(6).tolist(),
@@ -144,56 +150,56 @@ class Monitoring:
             layout_from_keys([key for _, key, _ in job.world.peers])
         return len(layout.nodes)
 
-    def snapshot(self):
-        """What rank 0 knows at this step boundary, for the policies."""
+    def snapshot(self, report: StepReport, *, max_workers: int, can_resize: bool,
+                 resizing: bool):
+        """What rank 0 knows at this step boundary, for the policies: the last step's
+        ``report``; the most workers the job can grow to, whether it can resize and whether
+        a grow is under way (the membership's)."""
         from hpcadapt.policies.base import MetricsSnapshot
 
         job = self.job
-        steps = job.steps
-        st, t, h = job.state, steps.last_times, job.state.hyper
-        elastic = job.membership.elastic
+        st, t, h = job.state, report.times, job.state.hyper
         lo, hi = st.gns.interval()
         return MetricsSnapshot(
             step=st.step, epoch=st.epoch, world_size=job.world.size,
             batch_size=h.batch_size, lr=h.lr, momentum=h.momentum,
-            base_lr=h.base_lr, base_batch_size=h.base_batch_size, loss=steps.last_loss,
-            samples_per_s=(steps.last_count / steps.step_time) if steps.step_time
+            base_lr=h.base_lr, base_batch_size=h.base_batch_size, loss=report.loss,
+            samples_per_s=(report.count / report.step_time) if report.step_time
             else float("nan"),
             epoch_progress=st.sampler.cursor / st.sampler.num_samples,
-            test_accuracy=st.last_accuracy, monitored=steps.monitored,
+            test_accuracy=st.last_accuracy, monitored=report.monitored,
             noise_scale=st.gns.noise_scale, grad_sq=st.gns.grad_sq,
             trace_sigma=st.gns.trace_sigma,
             grad_variance=st.gns.trace_sigma / h.batch_size,
             grad_snr=st.gns.snr(h.batch_size), noise_scale_lo=lo, noise_scale_hi=hi,
-            samples_seen=job.samples_seen,
+            samples_seen=st.samples_seen,
             schedule_lr=float(job.optimizer.optimizer.param_groups[0]["lr"]),
             step_time=tuple(t.step_time.tolist()) if t else (),
             compute_time=tuple(t.compute_time.tolist()) if t else (),
             wait_time=tuple(t.wait_time.tolist()) if t else (),
             rank_samples=tuple(t.samples.tolist()) if t else (),
-            max_workers=steps.slot_ranks() if elastic is not None else job.world.size,
-            min_workers=job.options.membership.min_workers, can_resize=elastic is not None,
+            max_workers=max_workers,
+            min_workers=job.options.membership.min_workers, can_resize=can_resize,
             max_local_batch=job.options.steps.max_local_batch,
             cluster_version=job.world.cluster_version,
-            resizing=bool(elastic is not None and elastic.growing),
+            resizing=resizing,
             strategy=st.strategy.name, topology=st.topology, nodes=self._node_count())
 
-    def log_step(self, count: int) -> None:
+    def log_step(self, count: int, report: StepReport) -> None:
         """The committed step's line of the metrics file (and the progress line)."""
         job = self.job
         st = job.state
-        steps = job.steps
-        used = steps.used_settings
-        job.recorder.write(StepRecord(
+        used = report.used_settings
+        self.recorder.write(StepRecord(
             step=st.step, epoch=st.epoch, world_size=job.world.size,
             batch_size=st.hyper.batch_size, lr=used["lr"], momentum=used["momentum"],
-            loss=steps.last_loss,
-            samples_per_s=count / steps.step_time if steps.step_time else 0.0,
-            step_time_s=steps.step_time, cluster_version=job.world.cluster_version,
-            monitors=self._step_monitors(), betas=used["betas"], lr_groups=used["lr_groups"]))
+            loss=report.loss,
+            samples_per_s=count / report.step_time if report.step_time else 0.0,
+            step_time_s=report.step_time, cluster_version=job.world.cluster_version,
+            monitors=self._step_monitors(report), betas=used["betas"], lr_groups=used["lr_groups"]))
         if job.world.rank == 0:
             self.progress.update(seen=st.samples_seen, epoch=st.epoch, step=st.step,
-                                 loss=steps.last_loss, batch=st.hyper.batch_size,
+                                 loss=report.loss, batch=st.hyper.batch_size,
                                  workers=job.world.size)
 
     def expect_epochs(self, count: int) -> None:
@@ -203,18 +209,18 @@ class Monitoring:
     def end_progress(self) -> None:
         self.progress.close()
 
-    def log_epoch(self, *, test_accuracy: Optional[float] = None, **extra: Any) -> None:
+    def log_epoch(self, st: TrainingState, rate: float, *,
+                  test_accuracy: Optional[float] = None, **extra: Any) -> None:
         """``job.log_epoch`` (its docstring says what is recorded and what is refused)."""
         from hpcadapt.base.metrics import user_metrics
 
         job = self.job
-        st = job._require_setup()
         mine = user_metrics(extra)
         if test_accuracy is not None:
-            st.last_accuracy = float(test_accuracy)
-        rec = job.recorder.write_epoch(
+            st.record_accuracy(test_accuracy)
+        rec = self.recorder.write_epoch(
             step=st.step, epoch=st.epoch, world_size=job.world.size,
-            batch_size=st.hyper.batch_size, lr=job.steps.last_rate(),
+            batch_size=st.hyper.batch_size, lr=rate,
             test_accuracy=st.last_accuracy if test_accuracy is not None else None,
             cluster_version=job.world.cluster_version, user=mine)
         if job.world.rank == 0:
@@ -227,16 +233,15 @@ class Monitoring:
                      job.world.size, "worker" if job.world.size == 1 else "workers",
                      "".join(f", {k} {v:.4g}" for k, v in mine.items()))
 
-    def log_eval(self, **metrics: Any) -> None:
+    def log_eval(self, st: TrainingState, rate: float, **metrics: Any) -> None:
         """``job.log_eval`` (its docstring says what is recorded and what is refused)."""
         from hpcadapt.base.metrics import EvalRecord, RESERVED_EVAL_KEYS, user_metrics
 
         job = self.job
-        st = job._require_setup()
         mine = user_metrics(metrics, caller="log_eval", record="eval",
                             reserved=RESERVED_EVAL_KEYS)
-        rec = EvalRecord(step=st.step, epoch=st.epoch, samples=int(job.samples_seen),
-                         epoch_progress=float(job.epoch_progress),
-                         batch_size=st.hyper.batch_size, lr=job.steps.last_rate(),
+        rec = EvalRecord(step=st.step, epoch=st.epoch, samples=int(st.samples_seen),
+                         epoch_progress=float(st.epoch_progress),
+                         batch_size=st.hyper.batch_size, lr=rate,
                          world_size=job.world.size, cluster_version=job.world.cluster_version)
-        job.recorder.write({**asdict(rec), **mine})
+        self.recorder.write({**asdict(rec), **mine})

@@ -25,7 +25,8 @@ __all__ = ["Recorder"]
 class Recorder:
     """Writes the metrics file (rank 0) and totals the epoch in progress."""
 
-    def __init__(self, metrics_file: Optional[str], *, enabled: bool, resuming: bool = False):
+    def __init__(self, metrics_file: Optional[str] = None, *, enabled: bool = False,
+                 resuming: bool = False):
         self._sink = MetricsSink(metrics_file, enabled=enabled, append=resuming)
         #: the last value of each metric the user logged (log_epoch), for the summary
         self.user_metrics: Dict[str, float] = {}
@@ -34,6 +35,12 @@ class Recorder:
         self._losses: List[float] = []
         self._started = time.perf_counter()
         self._sample_file = None
+
+    def open(self, metrics_file: Optional[str], *, enabled: bool, resuming: bool) -> None:
+        """Where the records go, once this process knows its rank (rank 0 writes): the Job
+        hands this recorder to its collaborators before MPI starts."""
+        self._sink.close()
+        self._sink = MetricsSink(metrics_file, enabled=enabled, append=resuming)
 
     def open_sample_log(self, folder: str) -> None:
         """``--sample-log``: this process's own file of the samples each step trained on."""

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NoReturn, Optional
 
 import numpy as np
 
@@ -27,6 +27,8 @@ from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.comm.world import CommView
 from hpcadapt.elastic.allocator import LocalAllocator
 from hpcadapt.loop.setup_checks import say_once
+from hpcadapt.loop.recording import Recorder
+from hpcadapt.adapt.control import ControlLayout
 
 __all__ = ["MembershipChanges"]
 
@@ -41,9 +43,18 @@ class MembershipChanges:
     marks ``hpcadapt.base.config`` takes from the environment): to join a running job
     through a port's folder, spawned by Open MPI's grow, or as a warm spare of that rank 0."""
 
-    def __init__(self, job, *, join_dir: Optional[str], spawned_to_join: bool,
-                 spare_of: Optional[str]):
+    def __init__(self, job, recorder: Recorder, *, fail: Callable[[BaseException], NoReturn],
+                 check_replicas: Callable[[], Optional[bool]],
+                 queue_hook: Callable[..., None], close_loader: Callable[[], None],
+                 resized: Callable[[], None],
+                 join_dir: Optional[str], spawned_to_join: bool, spare_of: Optional[str]):
         self.job = job
+        self.recorder = recorder
+        self.fail = fail       # ends the job, state saved (Stops.fail)
+        self.check_replicas = check_replicas  # --check-replicas after a resize (Monitoring's)
+        self.queue_hook = queue_hook      # the policies' on_resize, at the next boundary
+        self.close_loader = close_loader  # a leaving worker's loader workers (Stops')
+        self.resized = resized            # the step runner's per-rank times reset
         self.join_dir, self.spawned_to_join, self.spare_of = join_dir, spawned_to_join, spare_of
         #: a worker started to join a running job, until it has joined (or, after a
         #: recovery, took rank 0's role: then it owns the checkpoint and the end)
@@ -89,8 +100,43 @@ class MembershipChanges:
 
     def own_the_end(self) -> None:
         """Rank 0 died and this worker took its role: a joiner no longer, it owns the
-        checkpoint and the end of the job."""
+        checkpoint and the end of the job, and keeps the warm spares rank 0 kept."""
         self.joining = False
+        if self.elastic is not None:
+            self.elastic.warm_spares = self.options.membership.warm_spares
+
+    def slot_ranks(self) -> int:
+        """Ranks the slots have room for: the most this job can grow to (the step's control
+        values keep one layout across resizes)."""
+        cap = self.elastic.allocator.capacity() if self.elastic is not None else 0
+        return max(self.world.size, cap)
+
+    def owns_the_end(self) -> bool:
+        """Whether this process saves the checkpoint and ends the job (not a joiner yet)."""
+        return not self.joining
+
+    # -- what a recovery asks of the membership (``loop.failures.RecoveryMembership``) -----
+    def may_grow(self) -> bool:
+        """Whether workers may join (--max-workers): a death is survivable even alone."""
+        return self.elastic is not None
+
+    def abandon_grow(self, why: str) -> None:
+        """A grow under way is given up (its joiners would connect to the old world)."""
+        if self.elastic is not None and self.elastic.growing:
+            self.record_resize(self.elastic.abandon(why))
+
+    def released(self, dead: int) -> None:
+        """``dead`` workers are gone: their slots are free, their launchers reaped."""
+        if self.allocator is not None:
+            self.allocator.released(dead)
+            self.allocator.reap()
+
+    def coordinator_may_move(self) -> bool:
+        """Whether the allocator lets rank 0's role move (the local one: the agent waits for
+        every worker it started)."""
+        from hpcadapt.elastic.allocator import LocalAllocator
+
+        return isinstance(self.allocator, LocalAllocator)
 
     def setup_elastic(self) -> None:
         """With --max-workers: the worker-count flags checked on every rank alike, then the
@@ -254,7 +300,7 @@ class MembershipChanges:
                         self._record_death_during_join(previous, merged, old, reason)
                         raise
                     if merged is None:
-                        self.job.stops.fail(exc)  # a rank of the running job itself failed
+                        self.fail(exc)  # a rank of the running job itself failed
                     # A joiner died after it merged: back to the old world, which holds only
                     # the ranks that trained on (their state is untouched); the merged
                     # communicator is left unfreed (freeing it would wait on the dead).
@@ -324,7 +370,7 @@ class MembershipChanges:
             return None
 
         def expire(reason: str) -> None:
-            self.job.stops.fail(world_mod.PeerFailure(reason, cause="join"))
+            self.fail(world_mod.PeerFailure(reason, cause="join"))
 
         return world_mod.Watchdog(self.options.failures.peer_timeout + grace, "a join", expire,
                                   check)
@@ -485,7 +531,7 @@ class MembershipChanges:
                       decided_at: float = float("nan")) -> None:
         """Every rank of the new world: rebuild what depends on the size, record the resize,
         and queue the policies' ``on_resize`` for the next boundary."""
-        self.job.optimizer.set_extra_slots(self.job.steps.control_layout().length)
+        self.job.optimizer.set_extra_slots(ControlLayout(self.slot_ranks()).length)
         self.job.optimizer.ensure_current()
         self.identical_after_resize = None
         # Under model averaging the replicas differ by design: nothing to compare. Under
@@ -493,19 +539,18 @@ class MembershipChanges:
         # goes back to the weights of its start everywhere).
         strategy = self.state.strategy
         if outcome.ok and (strategy.averages_gradients or strategy.asynchronous):
-            identical = self.job.monitoring.check_replicas_if_asked()
+            identical = self.check_replicas()
             if identical is False and self.world.rank == 0:
                 log.error("replicas differ after the resize to %d workers", self.world.size)
             self.identical_after_resize = identical
-        self.job.steps.resized()
+        self.resized()
         now = time.perf_counter()
         outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
                           decision_to_first_step_s=now - decided_at)
         self.record_resize(outcome)
         # Every rank of the new world queues it (the hook is collective); only rank 0, never
         # a joiner, decides with the sizes.
-        self.job.adaptation.queue_hook("on_resize", old_size=outcome.old_size,
-                                       new_size=outcome.new_size)
+        self.queue_hook("on_resize", old_size=outcome.old_size, new_size=outcome.new_size)
 
     def record_resize(self, outcome) -> None:
         """A resize done or not (``ResizeOutcome``): the summary's row, the metrics line
@@ -517,7 +562,7 @@ class MembershipChanges:
         self.resizes.append(row)
         if outcome.old_size < 0:
             return  # a joiner's view; rank 0 of the running job records the resize
-        self.job.recorder.write(ResizeRecord(
+        self.recorder.write(ResizeRecord(
             step=st.step, epoch=st.epoch, old_size=outcome.old_size,
             new_size=outcome.new_size, reason=outcome.reason, pause_s=outcome.pause_s,
             ok=outcome.ok, cluster_version=self.world.cluster_version,
@@ -563,8 +608,8 @@ class MembershipChanges:
 
     def leave(self) -> None:
         """This rank left the job in a shrink: nothing of it is needed any more."""
-        self.job.stops.close_loader()
-        self.job.recorder.close()
+        self.close_loader()
+        self.recorder.close()
         world_mod.shutdown()
         logging.shutdown()
         sys.stdout.flush()

@@ -21,6 +21,7 @@ from hpcadapt.comm.collectives import ReduceOp
 from hpcadapt.data.loader import split_micro
 from hpcadapt.base.metrics import BoundedDelayRecord
 from hpcadapt.state.training import rates_scaled
+from hpcadapt.loop.recording import Recorder
 
 __all__ = ["BoundedDelayRounds"]
 
@@ -32,8 +33,9 @@ class BoundedDelayRounds:
     ranks train on the batches it hands them; a round commits as ``ceil(samples / B)``
     steps."""
 
-    def __init__(self, job, steps):
+    def __init__(self, job, steps, recorder: Recorder):
         self.job = job
+        self.recorder = recorder
         self.steps = steps
         self.totals: Dict[str, Any] = {}  # rank 0: the rounds so far, for the summary
 
@@ -164,11 +166,11 @@ class BoundedDelayRounds:
             hist = totals.setdefault(name, {})
             for delay, n in getattr(report, name).items():
                 hist[str(delay)] = hist.get(str(delay), 0) + n
-        job.recorder.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
+        self.recorder.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
                                               steps=steps, max_delay=st.strategy.max_delay,
                                               world_size=world.size, **report.to_dict()))
-        if job.recorder.logs_samples:
+        if self.recorder.logs_samples:
             for slot, worker, indices in report.applied:
-                job.recorder.log_samples(epoch=st.epoch, step=step0 + slot, rank=worker,
+                self.recorder.log_samples(epoch=st.epoch, step=step0 + slot, rank=worker,
                                          size=world.size, version=world.cluster_version,
                                          indices=indices)

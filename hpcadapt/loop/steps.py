@@ -27,10 +27,14 @@ from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.comm import world as world_mod
 from hpcadapt.data.loader import WalkKey, split_micro
 from hpcadapt.loop.rounds import BoundedDelayRounds
-from hpcadapt.adapt.control import ControlLayout, StepTimes
+from hpcadapt.adapt.control import ControlLayout, StepReport, StepTimes
 from hpcadapt.parallel.optimizer import GradientStats
 from hpcadapt.state.rollback import StepCommit
 from hpcadapt.state.training import optimizer_settings, rates_scaled
+from hpcadapt.loop.recording import Recorder
+from hpcadapt.adapt.engine import PolicyEngine
+from hpcadapt.base.preemption import StopSignals
+from hpcadapt.loop.monitoring import Monitoring
 
 __all__ = ["StepOutcome", "StepRunner"]
 
@@ -53,12 +57,22 @@ class StepRunner:
     """The synchronous step and what it leaves for the boundary; the bounded-delay rounds
     (``loop/rounds.py``) use its step-in-flight, control and commit parts."""
 
-    def __init__(self, job):
+    def __init__(self, job, recorder: Recorder, engine: PolicyEngine,
+                 signals: Optional[StopSignals], monitor: Monitoring, *,
+                 follow_ramp: Callable[[], None], recoverable: Callable[[], bool],
+                 slot_ranks: Callable[[], int]):
         #: inside job.epochs()' loop body (a loader pass outside it is refused once done)
         self.in_epochs = False
         self.job = job
+        self.recorder = recorder
+        self.engine = engine     # its rate rule (adascale's gain is measured in the step)
+        self.signals = signals   # a stop signal received: voted on in the step's control values
+        self.monitor = monitor   # the noise scale measured inside the step
+        self.follow_ramp = follow_ramp   # the reference rate of this step (Adaptation's)
+        self.recoverable = recoverable   # whether a death is survived: keep what to undo
+        self.slot_ranks = slot_ranks     # the control values' room: the most ranks (membership)
         #: bounded delay's rounds, driven through this runner's methods
-        self.rounds = BoundedDelayRounds(job, self)
+        self.rounds = BoundedDelayRounds(job, self, recorder)
         self.open = False            # a step (worker batch) whose job.step calls are due
         # The state the step (round) in flight may change, as of its start (rollback.py):
         # a recovery undoes the uncommitted step with it. None once the step commits.
@@ -99,7 +113,7 @@ class StepRunner:
         bounded-delay round applies updates before it commits; only the aggregator, rank
         0, steps the optimizer in it)."""
         job = self.job
-        if job.recovery.recoverable:
+        if self.recoverable():
             self.in_flight = StepCommit.take(job.state.step, job.extra,
                                              job.optimizer.optimizer, job.model,
                                              user=batches > 1, weights=weights,
@@ -183,7 +197,7 @@ class StepRunner:
         rank holds now), no gradient statistics."""
         self._t_start = time.perf_counter()
         self.monitored = False
-        self.job.adaptation.follow_ramp()
+        self.follow_ramp()
         self.keep_in_flight(batches=2, weights=True)
 
     def _begin_step(self):
@@ -192,7 +206,7 @@ class StepRunner:
         o = job.options
         world = job.world
         self._t_start = time.perf_counter()
-        self.job.adaptation.follow_ramp()
+        self.follow_ramp()
         part = st.sampler.peek(st.hyper.batch_size, world.rank, world.size)
         cap = self.micro_cap()
         micro = split_micro(part.indices, cap)
@@ -205,10 +219,10 @@ class StepRunner:
         self._walk_cursor = st.sampler.cursor + part.global_count
         self.part = part
         opt = job.optimizer
-        cfg = job.monitoring.config
+        cfg = self.monitor.config
         self.monitored = cfg.enabled and (st.step + 1) % cfg.interval == 0
         opt.track_grad_norms = self.monitored and world.size > 1
-        job.monitoring.split.reset()
+        self.monitor.split.reset()
         opt.set_local_weight(part.weight)
         opt.set_extra_slots(self.control_layout().length)
         # The buckets zeroed in place and .grad left as their views: backward accumulates
@@ -223,7 +237,7 @@ class StepRunner:
         # A step given up by a recovery is logged again when it is redone, with the new
         # world's cluster version: per step, the records of the highest version are the
         # ones that trained.
-        job.recorder.log_samples(epoch=st.epoch, step=st.step, rank=world.rank,
+        self.recorder.log_samples(epoch=st.epoch, step=st.step, rank=world.rank,
                                  size=world.size, version=world.cluster_version,
                                  indices=part.indices)
         return part, micro
@@ -235,7 +249,7 @@ class StepRunner:
         step is split then, monitored or not, so that the loader's walk stays one walk."""
         job = self.job
         cap = job.options.steps.max_local_batch
-        if job.monitoring.split_is_on():
+        if self.monitor.split_is_on():
             half = -(-job.state.hyper.batch_size // 2)
             cap = half if cap is None else min(cap, half)
         return cap
@@ -305,7 +319,7 @@ class StepRunner:
             with job.optimizer.no_sync():
                 scaled.backward()
             if self.monitored and job.world.size == 1:
-                job.monitoring.pass_done(self._micro_share)
+                self.monitor.pass_done(self._micro_share)
         self.micro_left -= 1
         return self._finish_step(clip_grad_norm, scaler) if last else \
             StepOutcome(committed=False)
@@ -337,7 +351,7 @@ class StepRunner:
         if finite:
             self.nonfinite_run = 0
             if self.monitored and world.size == 1:
-                stats = job.monitoring.split_stats(stats, self._micro_share)
+                stats = self.monitor.split_stats(stats, self._micro_share)
             if scaler is not None:
                 scale = float(scaler.get_scale())
                 scaler.unscale_(inner)  # the averaged gradients, identical on every rank
@@ -346,7 +360,7 @@ class StepRunner:
             if self.monitored and world.size == 1:
                 grads_finite = math.isfinite(stats.global_sqnorm)
             if self.monitored and grads_finite:
-                job.monitoring.update(stats, self.part.global_count)
+                self.monitor.update(stats, self.part.global_count, self.last_times)
             if clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
             with rates_scaled(inner, st.rate_factor()):
@@ -395,6 +409,13 @@ class StepRunner:
         job.world.watch.note_step(self.step_time / max(steps, 1))
         self.last_count = count
 
+    def report(self) -> StepReport:
+        """The last committed step (round), for its metrics line and the policies."""
+        return StepReport(loss=self.last_loss, count=self.last_count,
+                          step_time=self.step_time, times=self.last_times,
+                          monitored=self.monitored, used_settings=dict(self.used_settings),
+                          rate=self.last_rate())
+
     def last_rate(self) -> float:
         """The optimizer's rate at its last update (its rate now before the first)."""
         used = self.used_settings or optimizer_settings(self.job.optimizer.optimizer)
@@ -411,12 +432,7 @@ class StepRunner:
         """``count`` samples committed as ``steps`` steps (a round's hold equal shares):
         the cursor, the step counter and the scale-invariant progress move; nothing is in
         flight any more."""
-        st = self.job.state
-        adascale = self.job.adaptation.engine.lr_rule.rule == "adascale"
-        st.sampler.advance(count)
-        st.step += steps
-        for _ in range(steps):
-            st.count_gain(count / steps, adascale)
+        self.job.state.commit(count, steps, self.engine.lr_rule.rule == "adascale")
         self.in_flight = None
 
     def _slow_down(self, factor: float, seconds: float) -> float:
@@ -434,19 +450,11 @@ class StepRunner:
         return 0.0
 
     # -- the control values that travel with each step's gradients -----------------------
-    def slot_ranks(self) -> int:
-        """Ranks the slots have room for: the most this job can grow to (the layout stays
-        the same across resizes)."""
-        job = self.job
-        elastic = job.membership.elastic
-        cap = elastic.allocator.capacity() if elastic is not None else 0
-        return max(job.world.size, cap)
-
     def control_layout(self) -> ControlLayout:
         return ControlLayout(self.slot_ranks())
 
     def stop_signal_received(self) -> bool:
-        signals = self.job.stops.signals
+        signals = self.signals
         return signals is not None and signals.received is not None
 
     def _stage_control(self) -> None:

@@ -14,21 +14,32 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Protocol
 
 from hpcadapt.base import agent_files as agent, config, lifecycle, strategies
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
-from hpcadapt.base.metrics import FailureRecord, ResumeRecord, StopRecord, json_safe
+from hpcadapt.base.metrics import FailureRecord, ResumeRecord, StopRecord
 from hpcadapt.base.preemption import EXIT_REQUEUE, StopSignals
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
 from hpcadapt.data.loader import sweep_dead_worker_dirs
 from hpcadapt.state.lease import CheckpointLease
 from hpcadapt.state.training import checkpoint_step
+from hpcadapt.loop.recording import Recorder
 
 __all__ = ["Stops"]
 
 log = logging.getLogger("hpcadapt.job")
+
+
+class StopsMembership(Protocol):
+    """What the stops ask of the job's membership (``loop.resizing.MembershipChanges``)."""
+
+    def owns_the_end(self) -> bool: ...
+
+    def sync_state(self) -> None: ...
+
+    def release_workers(self, *, failed: bool = False) -> None: ...
 
 
 class Stops:
@@ -36,8 +47,11 @@ class Stops:
     cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the end
     of the job (summary, exit code)."""
 
-    def __init__(self, job, signals: Optional[StopSignals] = None):
+    def __init__(self, job, recorder: Recorder, membership: StopsMembership,
+                 signals: Optional[StopSignals] = None):
         self.job = job
+        self.recorder = recorder
+        self.membership = membership
         #: the stop signals' handlers (installed before MPI starts): what was received
         self.signals = signals
         #: values a checkpoint must match to be resumed (``job.setup(identity=...)``)
@@ -87,12 +101,12 @@ class Stops:
             raise on_every_rank(ConfigurationError(verdict["error"]))
         if not verdict["found"]:
             return False
-        job.membership.sync_state()
+        self.membership.sync_state()
         self.resumed_at = job.state.step
         if job.world.rank == 0:
             log.info("resumed from %s at epoch %d, step %d", path, job.state.epoch,
                      job.state.step)
-            job.recorder.write(ResumeRecord(step=job.state.step, epoch=job.state.epoch,
+            self.recorder.write(ResumeRecord(step=job.state.step, epoch=job.state.epoch,
                                          world_size=job.world.size,
                                          saved_world_size=job.state.world_size,
                                          checkpoint=path,
@@ -111,9 +125,8 @@ class Stops:
     def save_checkpoint(self, path: str) -> None:
         """Rank 0: write the whole training state to ``path`` atomically."""
         job = self.job
-        job.state.world_size = job.world.size
         job.state.save(path, cluster_version=job.world.cluster_version,
-                        identity=self.identity)
+                       identity=self.identity, world_size=job.world.size)
 
     def stop_for_signal(self) -> None:
         """Every rank, at the boundary where a stop signal became known: rank 0 saves."""
@@ -132,7 +145,7 @@ class Stops:
         """Rank 0: the stop's line in the metrics (plots mark it)."""
         job = self.job
         st = job.state
-        job.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=job.world.size,
+        self.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=job.world.size,
                                    signal=why, saved=saved,
                                    checkpoint=job.options.stops.checkpoint if saved else None,
                                    requeue=requeue, cluster_version=job.world.cluster_version))
@@ -155,13 +168,13 @@ class Stops:
                   f".{int(detected * 1000) % 1000:03d}")
         code = EXIT_REQUEUE
         if job.world.rank == 0 and st is not None:
-            job.recorder.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
+            self.recorder.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
                                           step=st.step, epoch=st.epoch,
                                           world_size=job.world.size, detected_unix=detected,
                                           waited_s=exc.waited_s,
                                           cluster_version=job.world.cluster_version))
             saved = False
-            if job.options.stops.checkpoint and not job.membership.joining:
+            if job.options.stops.checkpoint and self.membership.owns_the_end():
                 self.stopped = "peer failure"
                 saved = self.save_for_stop(f"the failure of {who}")
                 if not saved:
@@ -171,22 +184,23 @@ class Stops:
                           "no --checkpoint" if not job.options.stops.checkpoint else
                           "a joined worker does not save", st.step, code)
             self.record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
-        job.recorder.close()
+        self.recorder.close()
         self.close_loader()
-        job.membership.release_workers(failed=True)
+        self.membership.release_workers(failed=True)
         if job.world.rank == 0:
             agent.record_exit_code(code)
         world_mod.leave_with_launch_siblings(5.0)
         lifecycle.end_process(code)
 
-    def stop_for_divergence(self) -> None:
+    def stop_for_divergence(self, n: int) -> None:
         """Every rank: the loss stayed non-finite for --max-nonfinite-steps steps (updates
         under bounded delay). The state in memory is not the last good one: the update
         before the run (a finite but exploding loss) was applied, so it is not saved; the
         last checkpoint on disk (a --checkpoint-every save or an earlier stop's) is kept
-        and named. The job ends with exit code 1, not requeued (it would diverge again)."""
+        and named. The job ends with exit code 1, not requeued (it would diverge again).
+        ``n``: the non-finite steps in a row."""
         job = self.job
-        st, n = job.state, job.steps.nonfinite_run
+        st = job.state
         self.requeue = False
         unit = "updates" if st.strategy.asynchronous and job.world.size > 1 else "steps"
         name = f"{n} {unit} with a non-finite loss"
@@ -241,42 +255,26 @@ class Stops:
                     name, st.epoch, st.step, path)
         return True
 
-    def summary(self) -> Dict[str, Any]:
-        job = self.job
-        st = job._require_setup()
-        return json_safe({"final_test_accuracy": st.last_accuracy, "steps": st.step,
-                        "epochs": st.epoch, "world_size": job.world.size,
-                        "batch_size": st.hyper.batch_size, "lr": job.steps.last_rate(),
-                        "left": job.membership.left,
-                        "cluster_version": job.world.cluster_version,
-                        "resizes": job.membership.resizes, "stopped": self.stopped,
-                        "strategy": st.strategy.name, "model_digest": job.monitoring.model_digest(),
-                        "user_metrics": dict(job.recorder.user_metrics),
-                        **({"bounded_delay": job.steps.rounds.totals}
-                           if job.steps.rounds.totals else {})})
+    def announce(self, summary: Dict[str, Any]) -> None:
+        """Rank 0, at the end: the summary as one line of JSON (and ``--summary-json``)."""
+        print(json.dumps(summary), flush=True)
+        path = self.job.options.recording.summary_json
+        if path:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(summary, f)
 
-    def finish(self, *, exit: bool = True) -> Dict[str, Any]:
-        """End the job on every rank: rank 0 prints the summary as one line of JSON (and
-        writes ``--summary-json``), the checkpoint of a finished training is removed, MPI
-        is released. After a stop signal it exits with 75 (the job script requeues) or 1
-        when the state could not be saved, unless ``exit=False`` (then see ``exit_code``)."""
+    def end(self, *, owns_checkpoint: bool, exit: bool = True) -> None:
+        """The end of ``job.finish`` on every rank, after the summary: the exit code (75
+        after a stop with the state saved, 1 when it could not be saved), the checkpoint of
+        a finished training and its lease released (``owns_checkpoint``: not a worker that
+        is still joining), MPI released; exits unless ``exit=False``."""
         job = self.job
-        summary = self.summary()
-        self.close_loader()
-        if job.world.rank == 0:
-            job.monitoring.end_progress()
-            print(json.dumps(summary), flush=True)
-            if job.options.recording.summary_json:
-                with open(job.options.recording.summary_json, "w", encoding="utf-8") as f:
-                    json.dump(summary, f)
-        job.recorder.close()
-        job.membership.release_workers()
         self.exit_code = 0
         if self.stopped:
             # Requeue only from a saved state (rank 0 saves; the others follow its word).
             self.exit_code = EXIT_REQUEUE if self.requeue and \
                 not self.stopped.endswith("NOT saved") else 1
-        elif job.options.stops.checkpoint and job.world.rank == 0 and not job.membership.joining:
+        elif job.options.stops.checkpoint and job.world.rank == 0 and owns_checkpoint:
             # what this job owns: the checkpoint and its lease (another job may hold the
             # path now, if this one's lease was taken over while it ran)
             CheckpointLease(job.options.stops.checkpoint, job_id=config.slurm_job_id()
@@ -287,7 +285,6 @@ class Stops:
         world_mod.shutdown()
         if exit and self.exit_code:
             sys.exit(self.exit_code)
-        return summary
 
     def close_loader(self) -> None:
         """The loader's worker processes end now, cleanly (their temporary folders go with

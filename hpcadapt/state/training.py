@@ -186,6 +186,47 @@ class TrainingState:
         seen so far (AdaptDL's progress)."""
         return self.samples_seen / self.origin["batch_size"]
 
+    # -- its changes: every write of the training state goes through one of these ----------
+    def start(self) -> bool:
+        """The job enters its epoch loop; whether it had already (a resume, a join)."""
+        started, self.started = self.started, True
+        return started
+
+    def next_epoch(self) -> None:
+        """The epoch is done: the next one starts, and the sampler with it."""
+        self.epoch += 1
+        self.sampler.start_epoch(self.epoch)
+
+    def commit(self, samples: int, steps: int, adascale: bool) -> None:
+        """``samples`` trained in ``steps`` committed steps (a round's hold equal shares):
+        the cursor, the step counter and the scale-invariant progress move."""
+        self.sampler.advance(samples)
+        self.step += steps
+        for _ in range(steps):
+            self.count_gain(samples / steps, adascale)
+
+    def set_hyper(self, hyper: HyperParams) -> None:
+        """A plan's hyper-parameters (batch, rate, momentum, ramp), from the next step."""
+        self.hyper = hyper
+
+    def follow_ramp(self) -> None:
+        """The reference rate of this step: a batch change's ramp moves it, and ends."""
+        h = self.hyper
+        if h.ramp is not None:
+            h.lr = h.lr_at(self.step)
+            if self.step - h.ramp[0] >= h.ramp[1]:
+                h.ramp = None
+
+    def switch_strategy(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def switch_topology(self, topology: str) -> None:
+        self.topology = topology
+
+    def record_accuracy(self, accuracy: float) -> None:
+        """The test accuracy the user logged: the policies see it, the summary shows it."""
+        self.last_accuracy = float(accuracy)
+
     def count_gain(self, samples: int, adascale: bool) -> None:
         """Add a committed step's progress to ``gain_steps``: under the AdaScale rule its gain
         r (the rule's rate over its base rate: AdaScale's iterations advance by r), else
@@ -248,11 +289,15 @@ class TrainingState:
         return int(meta["version"])
 
     # -- checkpoints -----------------------------------------------------------------------
-    def save(self, path: str, *, cluster_version: int, identity: Mapping[str, Any]) -> None:
+    def save(self, path: str, *, cluster_version: int, identity: Mapping[str, Any],
+             world_size: Optional[int] = None) -> None:
         """Write the whole state to ``path`` atomically and durably: a private temporary file
         created exclusively in the same folder (never a predictable name that a planted
         symlink could redirect), fsync, a rename over ``path`` (a symlink there is replaced,
-        not followed), then fsync of the folder. The header's digest covers the payload."""
+        not followed), then fsync of the folder. The header's digest covers the payload.
+        ``world_size``: the workers training now (a resume grows back to them)."""
+        if world_size is not None:
+            self.world_size = world_size
         blob = {"format": CHECKPOINT_FORMAT, "identity": dict(identity),
                 "meta": self.meta(cluster_version), "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict()}

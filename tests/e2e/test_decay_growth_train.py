@@ -1,5 +1,5 @@
-"""decay-growth from the entry point (a cosine's halvings become batch doublings, the rate
-rule keeps the rate), and one replica adapting on the noise scale from inside its steps (the
+"""decay-growth from the entry point (a cosine's decay becomes batch growth, the rate rule
+keeps the rate), and one replica adapting on the noise scale from inside its steps (the
 runs that used to end in an OverflowError)."""
 
 import json
@@ -17,12 +17,13 @@ def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_halvings_of_a_cosine_become_doublings_at_the_same_rate(tmp_path):
+def test_the_falls_of_a_cosine_become_growth_at_the_same_rate(tmp_path):
     """MNIST-1D on 2 ranks, SGD, cosine with a 5% warm-up over 4 epochs of 4,000 samples,
-    from batch 16: every doubling comes after the cosine has halved (never before 52.5% of
-    the budget), each one was a halving (the decision says which), the linear rule's ramp
-    brings the applied rate back to 2^k x the cosine's (the decay it replaced, within 1%), and
-    the run trains to the end with its samples all seen."""
+    from batch 16, the default steps of sqrt(2): each growth is the next step of the grid (16
+    x sqrt(2)^k: 23, 32, 45 ...), the first one only after the cosine has fallen by
+    1/sqrt(2) (never before 40% of the budget), the linear rule's ramp brings the applied rate
+    back to batch/16 x the cosine's (the decay it replaced, within 1%), and the run trains to
+    the end with its samples all seen."""
     metrics = tmp_path / "m.jsonl"
     samples, epochs, base = 4000, 4, 0.05
     run_mpi(2, TRAIN + ["--dataset", "mnist1d", "--model", "cnn", "--samples", str(samples),
@@ -33,27 +34,30 @@ def test_halvings_of_a_cosine_become_doublings_at_the_same_rate(tmp_path):
     rows = _rows(metrics)
     steps = [r for r in rows if r["event"] == "step"]
     decisions = [r for r in rows if r["event"] == "decision" and r["policy"] == "decay-growth"]
-    assert decisions, "no halving became growth"
+    assert decisions, "the schedule's decay never became growth"
     train = int(samples * 0.8)                  # mnist1d: --samples is train + test
     total = epochs * train
+    g = math.sqrt(2.0)
     seen, first_growth, grown, checked = 0, None, 0, 0
     prev_batch = 16
     for r in steps:
         if r["batch_size"] != prev_batch:
-            assert r["batch_size"] == 2 * prev_batch
-            first_growth = seen if first_growth is None else first_growth
             grown += 1
+            assert r["batch_size"] == round(16 * 1.4142 ** grown), (r, grown)
+            first_growth = seen if first_growth is None else first_growth
             ramp_end = r["step"] + 8
         elif grown and r["step"] == ramp_end + 1:
             floor = 1.0 / (0.05 * total / 16)
             c = schedule_factor(seen / total, "cosine", warmup=0.05, warmup_floor=floor)
-            assert r["lr"] == pytest.approx(base * c * 2 ** grown, rel=0.01), (r, c)
+            assert r["lr"] == pytest.approx(base * c * r["batch_size"] / 16, rel=0.01), (r, c)
             checked += 1
         prev_batch = r["batch_size"]
-        seen += r["batch_size"]
-    assert first_growth >= (0.05 + 0.95 * 0.5) * total
-    assert checked == grown == len(decisions)
-    assert all("rate halving" in d["reason"] for d in decisions)
+        # an epoch's last step takes what is left of it (the batch need not divide it)
+        seen += min(r["batch_size"], (r["epoch"] + 1) * train - seen)
+    where = 0.05 + 0.95 * math.acos(2 / g - 1) / math.pi      # where c = 1/sqrt(2): 40%
+    assert first_growth >= where * total
+    assert grown >= 2 and checked == grown == len(decisions)
+    assert all("of its peak becomes batch" in d["reason"] for d in decisions)
     assert seen == total
 
 

@@ -92,15 +92,15 @@ def test_the_readme_names_its_script_and_every_command_uses_it():
 
 @pytest.mark.slow
 def test_growth_instead_of_decay(folder):
-    """The guide's growth script and command: the cosine's halvings become doublings of the
-    batch, each a decision of decay-growth, and it trains to the end."""
+    """The guide's growth script and command: the cosine's decay becomes growth of the batch
+    in steps of sqrt(2), each a decision of decay-growth, and it trains to the end."""
     proc = _run(_command("train_growth.py"), folder)
     s = _summary(proc.stdout)
     assert s["epochs"] == 10 and s["stopped"] is None and s["final_test_accuracy"] > 0.3
     rows = [json.loads(l) for l in (folder / "growth.jsonl").read_text().splitlines()]
     grew = [r for r in rows if r["event"] == "decision" and r["policy"] == "decay-growth"]
-    assert grew and all("rate halving" in r["reason"] for r in grew)
-    assert s["batch_size"] == 16 * 2 ** len(grew)
+    assert grew and all("of its peak becomes batch" in r["reason"] for r in grew)
+    assert s["batch_size"] == round(16 * 1.4142 ** len(grew))
 
 
 @pytest.mark.slow

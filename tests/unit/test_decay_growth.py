@@ -1,6 +1,6 @@
-"""decay-growth (a schedule's rate halvings turned into batch doublings below the critical
-batch), the schedule-reading correction of the noise scale, and every policy's robustness to
-extreme statistics. No MPI."""
+"""decay-growth (a schedule's decay turned into batch growth below the critical batch), the
+schedule-reading correction of the noise scale, and every policy's robustness to extreme
+statistics. No MPI."""
 
 import math
 import types
@@ -234,14 +234,14 @@ def test_the_policy_s_monitor_memory_unless_the_flag_sets_one():
     """decay-growth decides a halving on one reading: its 4,096-sample memory is the
     monitor's when --monitor-window is left at 0; the flag wins otherwise."""
     from hpcadapt.loop.monitoring import Monitoring
+    from hpcadapt.loop.recording import Recorder
 
     def configured(window_flag):
         options = types.SimpleNamespace(monitoring=types.SimpleNamespace(
             monitors=(), monitor_interval=1, monitor_ema=0.1, monitor_window=window_flag),
             recording=RecordingOptions())
         engine = PolicyEngine([DecayGrowth()], LRRule("sqrt", 8))
-        m = Monitoring(types.SimpleNamespace(options=options, adaptation=types.SimpleNamespace(
-            engine=engine)))
+        m = Monitoring(types.SimpleNamespace(options=options), Recorder(), engine)
         m.configure()
         return m.config
 

@@ -6,7 +6,7 @@ import pytest
 
 from hpcadapt.base.errors import ConfigurationError
 from hpcadapt.comm.world import PeerFailure
-from hpcadapt.job import RecoveryScope
+from hpcadapt.loop.failures import RecoveryScope
 from hpcadapt.loop.steps import StepOutcome
 
 
@@ -60,13 +60,16 @@ def _worker_runner():
 
     from hpcadapt.base import strategies
     from hpcadapt.base.options import JobOptions
+    from hpcadapt.loop.recording import Recorder
     from hpcadapt.loop.steps import StepRunner
 
     job = SimpleNamespace(
         state=SimpleNamespace(strategy=strategies.strategy("bounded-delay")),
         optimizer=SimpleNamespace(no_sync=_NoSync),
         options=JobOptions())
-    runner = StepRunner(job)
+    runner = StepRunner(job, Recorder(), engine=None, signals=None, monitor=None,
+                        follow_ramp=lambda: None, recoverable=lambda: False,
+                        slot_ranks=lambda: 2)
     weight = torch.nn.Parameter(torch.ones(3))
     return runner, weight
 

@@ -1,0 +1,153 @@
+"""Collaborators that talk in values (issue 45): how often one of the Job's collaborators in
+loop/ reaches through the Job into another (``job.steps.last_rate()``,
+``self.job.membership.elastic``), and whether any calls the Job's private methods. Reads the
+code.
+
+A reach-through is invisible to the imports and to a reader of the signatures; what a
+collaborator needs it takes as a typed parameter instead (the Recorder, the policy engine,
+``fail``), and what it does it returns. Today's debt is recorded per edge in ``REACH``: the
+test fails when an edge is new or grows, and when one shrank (then lower it here), so the
+table only shrinks. Measured before the first repayment (2026-12-07): 82 reach-throughs
+along 29 edges, 9 two-way pairs, 3 calls into ``Job._require_setup``."""
+
+import ast
+import collections
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LOOP = os.path.join(ROOT, "hpcadapt", "loop")
+
+# The Job's attribute for each collaborator, and the module that defines it.
+COLLABORATORS = {
+    "steps": "steps.py", "recorder": "recording.py", "recovery": "failures.py",
+    "monitoring": "monitoring.py", "adaptation": "adaptation.py", "stops": "stops.py",
+    "membership": "resizing.py", "rounds": "rounds.py",
+}
+
+# (from, into) -> reach-throughs still allowed: none since 2026-12-07 (the Recorder, the
+# policy engine, the monitoring, the stop signals, the membership's protocols and the
+# training state became parameters; the step runner's last step a ``StepReport`` the Job
+# hands over; the summary and the end's order the Job's).
+REACH: dict = {}
+
+
+def _is_job(node) -> bool:
+    """``job`` or ``self.job``: the Job, as a collaborator holds it."""
+    if isinstance(node, ast.Name):
+        return node.id == "job"
+    return (isinstance(node, ast.Attribute) and node.attr == "job"
+            and isinstance(node.value, ast.Name) and node.value.id == "self")
+
+
+def _modules():
+    for name in sorted(os.listdir(LOOP)):
+        if name.endswith(".py"):
+            path = os.path.join(LOOP, name)
+            yield name, ast.parse(open(path, encoding="utf-8").read())
+
+
+def reach_throughs():
+    """(from, into) -> [(module, line, 'into.attribute')] for every ``job.<into>.<attr>``
+    in a module of loop/ other than <into>'s own."""
+    owner = {module: attr for attr, module in COLLABORATORS.items()}
+    found = collections.defaultdict(list)
+    for name, tree in _modules():
+        me = owner.get(name, name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and _is_job(node.value.value) and node.value.attr in COLLABORATORS
+                    and node.value.attr != me):
+                found[(me, node.value.attr)].append(
+                    (name, node.lineno, f"{node.value.attr}.{node.attr}"))
+    return found
+
+
+def private_calls():
+    """``job._something`` read in loop/: the Job's private parts."""
+    return [(name, node.lineno, node.attr) for name, tree in _modules()
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and _is_job(node.value)
+            and node.attr.startswith("_")]
+
+
+def test_the_table_names_the_job_s_collaborators():
+    """Each name is an attribute the Job assigns, and each module exists."""
+    tree = ast.parse(open(os.path.join(ROOT, "hpcadapt", "job.py"), encoding="utf-8").read())
+    assigned = {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                for t in n.targets if isinstance(t, ast.Attribute)}
+    assert set(COLLABORATORS) - {"rounds"} <= assigned
+    for module in COLLABORATORS.values():
+        assert os.path.exists(os.path.join(LOOP, module)), module
+
+
+def test_no_collaborator_reaches_through_the_job_more_than_recorded():
+    found = reach_throughs()
+    counts = {edge: len(where) for edge, where in found.items()}
+    grown = {f"{a} -> {b}": [f"{m}:{line} {what}" for m, line, what in found[(a, b)]]
+             for (a, b), n in counts.items() if n > REACH.get((a, b), 0)}
+    assert not grown, ("reach-throughs from one collaborator into another (take what is "
+                       f"needed as a parameter, or return it): {grown}")
+    shrunk = {f"{a} -> {b}": (n, counts.get((a, b), 0)) for (a, b), n in REACH.items()
+              if counts.get((a, b), 0) < n}
+    assert not shrunk, f"repaid (lower REACH: recorded, now): {shrunk}"
+
+
+def test_two_way_pairs_only_shrink():
+    edges = set(reach_throughs())
+    pairs = {tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges}
+    recorded = {tuple(sorted(e)) for e in REACH if (e[1], e[0]) in REACH}
+    assert pairs <= recorded, f"new two-way pairs: {sorted(pairs - recorded)}"
+    assert not pairs
+
+
+def test_no_collaborator_calls_the_job_s_private_methods():
+    assert private_calls() == []
+
+
+def _training_state_fields():
+    """The attributes TrainingState and HyperParams hold."""
+    tree = ast.parse(open(os.path.join(ROOT, "hpcadapt", "state", "training.py"),
+                          encoding="utf-8").read())
+    fields = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in ("TrainingState", "HyperParams"):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) \
+                        and isinstance(sub.value, ast.Name) and sub.value.id == "self":
+                    fields.add(sub.attr)
+                if isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name):
+                    fields.add(sub.target.id)   # a dataclass field
+    return fields
+
+
+def _names_the_state(node) -> bool:
+    """``st``, ``h``, ``hyper``, ``<x>.state`` or ``<x>.state.hyper``: how the code names the
+    training state and its hyper-parameters."""
+    if isinstance(node, ast.Name):
+        return node.id in ("st", "state", "h", "hyper")
+    return isinstance(node, ast.Attribute) and node.attr in ("state", "hyper") \
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self"
+                 and node.attr == "hyper")
+
+
+def test_the_training_state_is_written_only_inside_hpcadapt_state():
+    """Every change of the training state goes through its own methods (``commit``,
+    ``next_epoch``, ``set_hyper``, ``switch_strategy`` ...): no module outside
+    hpcadapt/state/ assigns its attributes."""
+    fields = _training_state_fields()
+    assert {"step", "epoch", "hyper", "strategy", "topology", "lr", "ramp"} <= fields
+    found = []
+    base = os.path.join(ROOT, "hpcadapt")
+    for folder, _, files in os.walk(base):
+        if os.path.relpath(folder, base).split(os.sep)[0] == "state":
+            continue
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            tree = ast.parse(open(path, encoding="utf-8").read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                        and node.attr in fields and _names_the_state(node.value):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.attr}")
+    assert not found, f"the training state written from outside its methods: {found}"
