@@ -156,17 +156,16 @@ def test_log_eval_writes_one_eval_line(tmp_path):
     st = types.SimpleNamespace(step=12, epoch=1, hyper=types.SimpleNamespace(batch_size=48),
                                samples_seen=1500, epoch_progress=1.25)
     job = types.SimpleNamespace(
-        steps=types.SimpleNamespace(last_rate=lambda: 0.002),
         recorder=Recorder(str(path), enabled=True),
         world=types.SimpleNamespace(size=2, rank=0, cluster_version=3),
         options=types.SimpleNamespace(recording=RecordingOptions()))
     monitoring = Monitoring(job, job.recorder, engine=None)
-    monitoring.log_eval(st, val_loss=torch.tensor(1.5), val_accuracy=np.float32(0.5), n=3)
+    monitoring.log_eval(st, 0.002, val_loss=torch.tensor(1.5), val_accuracy=np.float32(0.5), n=3)
     with pytest.raises(ConfigurationError, match="log_eval: the metric name 'samples' is a "
                                                  "built-in field of the eval record"):
-        monitoring.log_eval(st, samples=1)
+        monitoring.log_eval(st, 0.002, samples=1)
     with pytest.raises(ConfigurationError, match="log_eval: the metric 'note' is a str"):
-        monitoring.log_eval(st, note="x")
+        monitoring.log_eval(st, 0.002, note="x")
     job.recorder.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 1
