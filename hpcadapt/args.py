@@ -37,18 +37,7 @@ positive_float = argparse_type(params.positive_float)
 _fraction_open = argparse_type(params.fraction_open)
 _non_negative_int = argparse_type(params.non_negative_int)
 _non_negative_float = argparse_type(params.non_negative_float)
-
-
-def _factor(text: str) -> float:
-    """A slow-down factor: 1 (none) or more."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v == v and v >= 1.0 and v != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be 1 or more (2 makes the rank take twice as "
-                                         f"long), got {text}")
-    return v
+_factor = argparse_type(params.at_least(1.0))   # a slow-down: 1 (none) or more
 
 
 def _ranks_per_node(text: str) -> Optional[int]:

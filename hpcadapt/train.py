@@ -32,61 +32,16 @@ _positive_float = argparse_type(params.positive_float)
 _momentum = argparse_type(params.momentum)
 _fraction_open = argparse_type(params.fraction_open)
 _non_negative_int = argparse_type(params.non_negative_int)
+_weight_decay = argparse_type(params.non_negative_float)
+_seed = argparse_type(params.seed)
+_threads = argparse_type(params.non_negative_int)
+_fraction = argparse_type(params.fraction_below_one)
+_int_list = argparse_type(params.positive_int_list)
 
 # Built-in names, known without loading torch (hpcadapt.datasets and hpcadapt.models check
 # that they match), so that the console script blocks the stop signals before torch loads.
 DATASET_NAMES = ("digits", "mnist1d", "shakespeare", "synthetic")
 MODEL_NAMES = ("charlm", "cnn", "mlp", "resnet")
-
-
-def _weight_decay(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (value >= 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be 0 or a positive finite number, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= value < 2 ** 32:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**32), got {value}")
-    return value
-
-
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (torch's default) or more, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
-    return value
-
-
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers like 256,256, got {text!r}")
-    return values
 
 
 def _names(module: str, table: str, builtin: tuple) -> list:

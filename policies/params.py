@@ -1,12 +1,15 @@
-"""Parsers for policy flags: each raises ValueError naming the rule the value broke."""
+"""The parsers of every numeric flag (the command line's, a policy's parameters, a
+strategy's settings): each raises ValueError naming the rule the value broke
+(``argparse_type`` turns it into the usage error that names the flag)."""
 
 from __future__ import annotations
 
 import math
 from typing import Callable, List, Sequence, Tuple
 
-__all__ = ["positive_int", "non_negative_int", "positive_float", "float_above", "fraction",
-           "fraction_open", "momentum", "choice", "step_map"]
+__all__ = ["positive_int", "non_negative_int", "positive_float", "non_negative_float",
+           "float_above", "at_least", "fraction", "fraction_open", "fraction_below_one",
+           "momentum", "seed", "positive_int_list", "choice", "step_map"]
 
 
 def positive_int(text: str) -> int:
@@ -45,7 +48,7 @@ def non_negative_float(text: str) -> float:
     except ValueError:
         raise ValueError(f"expected a number >= 0, got {text!r}") from None
     if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"must be a finite number >= 0, got {text}")
+        raise ValueError(f"must be 0 or a positive finite number, got {text}")
     return v
 
 
@@ -56,6 +59,39 @@ def float_above(bound: float) -> Callable[[str], float]:
             raise ValueError(f"must be greater than {bound}, got {v}")
         return v
     return parse
+
+
+def at_least(bound: float) -> Callable[[str], float]:
+    """A finite number of ``bound`` or more."""
+    def parse(text: str) -> float:
+        v = _number(text, f"a number of {bound:g} or more")
+        if not (math.isfinite(v) and v >= bound):
+            raise ValueError(f"must be {bound:g} or more, got {text}")
+        return v
+    return parse
+
+
+def seed(text: str) -> int:
+    """A random seed: an integer in [0, 2**32)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer in [0, 2**32), got {text!r}") from None
+    if not 0 <= v < 2 ** 32:
+        raise ValueError(f"must be in [0, 2**32), got {v}")
+    return v
+
+
+def positive_int_list(text: str) -> List[int]:
+    """Comma-separated positive integers (``256,256``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated positive integers like 256,256, got "
+                         f"{text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"expected positive integers like 256,256, got {text!r}")
+    return values
 
 
 def fraction(text: str) -> float:
@@ -83,12 +119,15 @@ def fraction_open(text: str) -> float:
     return v
 
 
-def momentum(text: str) -> float:
-    """A momentum coefficient in [0, 1)."""
+def fraction_below_one(text: str) -> float:
+    """A fraction in [0, 1) (a momentum, a warm-up's share of the run)."""
     v = _number(text, "a number in [0, 1)")
     if not 0.0 <= v < 1.0:
         raise ValueError(f"must be in [0, 1), got {text}")
     return v
+
+
+momentum = fraction_below_one
 
 
 def choice(options: Sequence[str]) -> Callable[[str], str]:

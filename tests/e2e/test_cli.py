@@ -36,7 +36,7 @@ def test_unknown_dataset_lists_choices(capsys):
     ("--stop-signals", "USR1,NOPE", "unknown signal 'NOPE'"),
     ("--slurm-mpi", "openmpi", "invalid choice"), ("--allocator", "k8s", "invalid choice"),
     ("--weight-decay", "-5", "0 or a positive finite"), ("--weight-decay", "nan", "0 or a positive"),
-    ("--seed", "-1", "[0, 2**32)"), ("--threads", "-3", "0 (torch's default) or more"),
+    ("--seed", "-1", "[0, 2**32)"), ("--threads", "-3", "must be >= 0"),
     ("--stop-signals", "KILL", "SIGKILL cannot be a stop signal"),
     ("--stop-signals", "CHLD", "SIGCHLD cannot be a stop signal"),
     ("--max-nonfinite-steps", "0", "positive"),
