@@ -184,8 +184,8 @@ class Adaptation:
         if job.world.rank == 0:
             log.info("allreduce topology %s -> %s at step %d (%s)", old, name, st.step, reason)
         self.recorder.write(TopologyRecord(step=st.step, epoch=st.epoch, from_=old, to=name,
-                                       reason=reason, previous_cluster_version=version,
-                                       cluster_version=job.world.cluster_version))
+                                           reason=reason, previous_cluster_version=version,
+                                           cluster_version=job.world.cluster_version))
 
     def switch_strategy(self, new: Strategy, reason: str) -> None:
         """Every rank, at a step boundary. Into S-SGD or bounded delay from model averaging
@@ -234,11 +234,11 @@ class Adaptation:
             log.info("strategy %s -> %s at step %d (%s)", old.describe(), new.describe(),
                      st.step, reason)
         self.recorder.write(StrategyRecord(step=st.step, epoch=st.epoch, from_=old.to_dict(),
-                                       to=new.to_dict(), reason=reason,
-                                       previous_cluster_version=version,
-                                       cluster_version=job.world.cluster_version,
-                                       switch_s=time.perf_counter() - t0,
-                                       replicas_identical=identical))
+                                           to=new.to_dict(), reason=reason,
+                                           previous_cluster_version=version,
+                                           cluster_version=job.world.cluster_version,
+                                           switch_s=time.perf_counter() - t0,
+                                           replicas_identical=identical))
 
     def _apply_momentum(self, momentum: float) -> None:
         """The plan's momentum into every param group that has one (SGD's)."""

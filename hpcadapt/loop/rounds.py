@@ -167,10 +167,10 @@ class BoundedDelayRounds:
             for delay, n in getattr(report, name).items():
                 hist[str(delay)] = hist.get(str(delay), 0) + n
         self.recorder.write(BoundedDelayRecord(step=st.step, epoch=st.epoch, first_step=step0,
-                                              steps=steps, max_delay=st.strategy.max_delay,
-                                              world_size=world.size, **report.to_dict()))
+                                               steps=steps, max_delay=st.strategy.max_delay,
+                                               world_size=world.size, **report.to_dict()))
         if self.recorder.logs_samples:
             for slot, worker, indices in report.applied:
                 self.recorder.log_samples(epoch=st.epoch, step=step0 + slot, rank=worker,
-                                         size=world.size, version=world.cluster_version,
-                                         indices=indices)
+                                          size=world.size, version=world.cluster_version,
+                                          indices=indices)

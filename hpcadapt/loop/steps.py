@@ -238,8 +238,8 @@ class StepRunner:
         # world's cluster version: per step, the records of the highest version are the
         # ones that trained.
         self.recorder.log_samples(epoch=st.epoch, step=st.step, rank=world.rank,
-                                 size=world.size, version=world.cluster_version,
-                                 indices=part.indices)
+                                  size=world.size, version=world.cluster_version,
+                                  indices=part.indices)
         return part, micro
 
     def micro_cap(self) -> Optional[int]:

@@ -107,10 +107,10 @@ class Stops:
             log.info("resumed from %s at epoch %d, step %d", path, job.state.epoch,
                      job.state.step)
             self.recorder.write(ResumeRecord(step=job.state.step, epoch=job.state.epoch,
-                                         world_size=job.world.size,
-                                         saved_world_size=job.state.world_size,
-                                         checkpoint=path,
-                                         cluster_version=job.world.cluster_version))
+                                             world_size=job.world.size,
+                                             saved_world_size=job.state.world_size,
+                                             checkpoint=path,
+                                             cluster_version=job.world.cluster_version))
             flags = strategies.from_options(job.options.steps)
             if job.state.strategy != flags:
                 log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
@@ -146,9 +146,9 @@ class Stops:
         job = self.job
         st = job.state
         self.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=job.world.size,
-                                   signal=why, saved=saved,
-                                   checkpoint=job.options.stops.checkpoint if saved else None,
-                                   requeue=requeue, cluster_version=job.world.cluster_version))
+                                       signal=why, saved=saved,
+                                       checkpoint=job.options.stops.checkpoint if saved else None,
+                                       requeue=requeue, cluster_version=job.world.cluster_version))
 
     def fail(self, exc: BaseException) -> None:
         """A peer died (or stayed silent past the deadline) in the middle of a step or a
@@ -169,10 +169,10 @@ class Stops:
         code = EXIT_REQUEUE
         if job.world.rank == 0 and st is not None:
             self.recorder.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
-                                          step=st.step, epoch=st.epoch,
-                                          world_size=job.world.size, detected_unix=detected,
-                                          waited_s=exc.waited_s,
-                                          cluster_version=job.world.cluster_version))
+                                              step=st.step, epoch=st.epoch,
+                                              world_size=job.world.size, detected_unix=detected,
+                                              waited_s=exc.waited_s,
+                                              cluster_version=job.world.cluster_version))
             saved = False
             if job.options.stops.checkpoint and self.membership.owns_the_end():
                 self.stopped = "peer failure"
