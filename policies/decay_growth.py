@@ -40,7 +40,9 @@ continuously (g = 1.0625) grew MNIST-1D earlier and further (0.59x the steps) bu
 +0.015 nats at margin 1.5 and +0.010 at margin 1. g = sqrt(2) with margin 1 (the batch at
 most the critical batch, McCandlish's bound): MNIST-1D 0.668x the fixed batch's steps at
 +0.0025 nats, the LM 0.63x batch 16's at +0.009 (2 seeds each). The temperature power 0.5
-was fixed before, from the issue's 2-rank readings.
+was fixed before, from the issue's 2-rank readings. Not blind: finer steps were tried
+because the first version's judged seeds (0-9, judged again with these defaults) had
+stopped at 32; only the choice among the candidates was made on the tuning seeds alone.
 
 The scheduler must follow samples, not steps (``hpcadapt.ProgressLR``; the entry point's
 ``--lr-schedule`` does): a step-keyed one would stretch its decay as the batch grows."""
