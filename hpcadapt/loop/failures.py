@@ -4,7 +4,7 @@ without them, and take the state of the one furthest on.
 ``FailureRecovery`` is the Job's collaborator for it: ``recover`` returns a typed
 ``Recovered`` outcome for the Job to act on (record the resize, replace the dead) and asks
 the loop to start its iteration again (``restart_pending``, read once by the loop's scope
-through ``take_restart``), or ends the job through ``job.stops.fail`` (state saved, exit 75)
+through ``take_restart``), or ends the job through ``Stops.fail`` (state saved, exit 75)
 when the death cannot be survived. It assigns none of the Job's attributes."""
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ class RecoveryMembership(Protocol):
 
 class FailureRecovery:
     """Detect, agree, shrink, survey, take the state of the survivor furthest on (see
-    ``recover``). Reads the job's parts (options, world, state, step runner, optimizer,
-    policy engine, recorder, elastic, allocator); ends the job through ``job.stops.fail``."""
+    ``recover``). Reads the job's options, world, state and optimizer; is given the
+    recorder, the policy engine, the membership's part (``RecoveryMembership``), the step
+    runner's ``roll_back`` and ``fail``, which ends the job (``Stops.fail``)."""
 
     def __init__(self, job, recorder: Recorder, engine: PolicyEngine,
                  fail: Callable[[BaseException], NoReturn], membership: RecoveryMembership,
@@ -96,7 +97,7 @@ class FailureRecovery:
         of the survivor furthest on (one that finished the step in flight before the others
         noticed is one step ahead; the others have changed nothing yet); the step from that
         state's cursor is trained at the smaller size, so no sample is skipped or trained
-        twice. Returns what it did, or ends the job through ``job.stops.fail`` when the death
+        twice. Returns what it did, or ends the job through ``fail`` when the death
         cannot be survived (see ``recovery.unrecoverable``) or the recovery fails.
         ``holds_state``: whether this process holds the training state (a joiner whose
         join the death cut short does not: it takes a survivor's). Under ULFM a death
