@@ -12,21 +12,22 @@ __all__ = ["positive_int", "non_negative_int", "positive_float", "non_negative_f
            "momentum", "seed", "positive_int_list", "choice", "step_map"]
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str, what: str) -> int:
     try:
-        v = int(text)
+        return int(text)
     except ValueError:
-        raise ValueError(f"expected a positive integer, got {text!r}") from None
+        raise ValueError(f"expected {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    v = _integer(text, "a positive integer")
     if v < 1:
         raise ValueError(f"must be a positive integer (>= 1), got {v}")
     return v
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise ValueError(f"expected an integer >= 0, got {text!r}") from None
+    v = _integer(text, "an integer >= 0")
     if v < 0:
         raise ValueError(f"must be >= 0, got {v}")
     return v
@@ -73,10 +74,7 @@ def at_least(bound: float) -> Callable[[str], float]:
 
 def seed(text: str) -> int:
     """A random seed: an integer in [0, 2**32)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise ValueError(f"expected an integer in [0, 2**32), got {text!r}") from None
+    v = _integer(text, "an integer in [0, 2**32)")
     if not 0 <= v < 2 ** 32:
         raise ValueError(f"must be in [0, 2**32), got {v}")
     return v
