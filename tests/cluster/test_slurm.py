@@ -871,8 +871,12 @@ def test_a_cancelled_companion_job_is_a_workers_death_not_a_stop_of_the_training
         shown = parse_key_values(run_slurm(["scontrol", "show", "job", companion]))
         assert shown["Requeue"] == "0" and shown["Comment"] == f"hpcadapt companion of job {job}"
         run_slurm(["scancel", companion])
-        failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
-                           tmp_path)[0]
+        try:
+            failure = wait_for(lambda: records(metrics, "failure"), "the failure record", job,
+                               tmp_path)[0]
+        except Exception:  # seen once in CI, stop 47
+            xfail_if_mpich_crashed(tmp_path, job, "after its companion job was cancelled")
+            raise
         wait_for(lambda: [s for s in records(metrics, "step")
                           if s["world_size"] == 1 and s["step"] > failure["step"] + 5],
                  "steps on 1 worker after the recovery", job, tmp_path)
