@@ -44,6 +44,7 @@ from hpcadapt.adapt.control import StepTimes
 from hpcadapt.loop.failures import FailureRecovery, RecoveryScope
 from hpcadapt.loop.resizing import MembershipChanges
 from hpcadapt.adapt.monitors import GradientNoiseScale
+from hpcadapt.loop.phase import JobPhase
 from hpcadapt.loop.monitoring import Monitoring
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.loop.steps import StepRunner
@@ -85,16 +86,20 @@ class Job:
         # the metrics file's writer, handed to every collaborator (opened once the rank is
         # known)
         self.recorder = Recorder()
+        join_dir, spawned_to_join = config.take_join_dir(), config.take_spawned_mark()
+        # this process's life (joining, training, finished, stopped, left): one value that
+        # the membership and the stops move and the loop reads
+        self.phase = JobPhase(joining=join_dir is not None or spawned_to_join)
         # resizes, joins, leaving; how this process was started (to join a running job
         # through a port's folder, spawned by Open MPI's grow, a warm spare of a rank 0).
         # What it calls on collaborators created after it goes through these lambdas.
         self.membership = MembershipChanges(
-            self, self.recorder, fail=lambda exc: self.stops.fail(exc),
+            self, self.recorder, self.phase, fail=lambda exc: self.stops.fail(exc),
             check_replicas=lambda: self.monitoring.check_replicas_if_asked(),
             queue_hook=lambda name, **extra: self.adaptation.queue_hook(name, **extra),
             close_loader=lambda: self.stops.close_loader(),
             resized=lambda: self.steps.resized(),
-            join_dir=config.take_join_dir(), spawned_to_join=config.take_spawned_mark(),
+            join_dir=join_dir, spawned_to_join=spawned_to_join,
             spare_of=config.take_spare_mark())
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
         strategies.from_options(o.steps)  # a strategy's unusable settings are refused here
@@ -110,7 +115,7 @@ class Job:
         # Why it stopped, checkpoints, the resume, the exit code; the stop signals' handlers.
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
-        self.stops = Stops(self, self.recorder, self.membership, StopSignals.named(
+        self.stops = Stops(self, self.recorder, self.phase, self.membership, StopSignals.named(
             o.stops.stop_signals, saves=bool(o.stops.checkpoint)).install())
         companion_of = config.take_companion_of()
         if companion_of is not None:
@@ -123,7 +128,7 @@ class Job:
         # A peer that dies during the user's own collective work: saved, exit 75.
         lifecycle.set_failure_handler(
             lambda exc: self.stops.fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
-        setup_logging(lambda: self.world.rank if self.membership.holds_state
+        setup_logging(lambda: self.world.rank if self.phase.holds_state
                       else f"joiner {os.getpid()}")
         most = max(self.world.size, o.membership.max_workers or 0,
                    o.membership.initial_workers or 0)
@@ -329,7 +334,7 @@ class Job:
     def stopped(self) -> Optional[str]:
         """Why training stopped early (a stop signal, divergence, a peer's failure; ending
         in "NOT saved" when the state could not be saved), or None."""
-        return self.stops.stopped
+        return self.phase.stopped
 
     @property
     def exit_code(self) -> int:
@@ -348,7 +353,7 @@ class Job:
         return json_safe({"final_test_accuracy": st.last_accuracy, "steps": st.step,
                           "epochs": st.epoch, "world_size": self.world.size,
                           "batch_size": st.hyper.batch_size, "lr": self.steps.last_rate(),
-                          "left": self.membership.left,
+                          "left": self.phase.left,
                           "cluster_version": self.world.cluster_version,
                           "resizes": self.membership.resizes, "stopped": self.stopped,
                           "strategy": st.strategy.name,
@@ -453,7 +458,7 @@ class Job:
                 yielded = st.epoch
                 with self.steps.epoch_body():
                     yield st.epoch
-                if self.membership.left or self.stopped:
+                if self.phase.left or self.phase.stopped:
                     break
                 if st.epoch != yielded:
                     # A recovery gave this rank the state of a survivor that had finished
@@ -462,7 +467,7 @@ class Job:
                     continue
                 if not self.recorder.epoch_logged:
                     self.log_epoch()
-                if self.stops.by_stop_file or self._max_steps_reached():
+                if self.phase.finished_by_stop_file or self._max_steps_reached():
                     break
                 done = st.sampler.epoch_done
                 if self._hook_in_scope("after_epoch"):
@@ -470,10 +475,10 @@ class Job:
                     continue
                 if done:
                     st.next_epoch()
-            if self.membership.left or self.stopped or not self._agree_on_the_end():
+            if self.phase.left or self.phase.stopped or not self._agree_on_the_end():
                 break
             skip_before = True  # recovered at the end: the agreed state says where it is
-        if not self.membership.left and not self.stopped:
+        if not self.phase.left and not self.phase.stopped:
             self._hook_in_scope("after_train")
         self.membership.finish()
 
@@ -512,7 +517,7 @@ class Job:
             self.steps.undo_user_code_of_given_up_step()
             if self.recovery.take_restart():
                 continue
-            if self.membership.left:
+            if self.phase.left:
                 self.membership.leave()
             if not going_on:
                 break
@@ -527,7 +532,7 @@ class Job:
         committed leaves the body's work of the committed step."""
         from hpcadapt.elastic.membership import ResizeOutcome
 
-        done = self.recovery.recover(exc, holds_state=self.membership.holds_state)
+        done = self.recovery.recover(exc, holds_state=self.phase.holds_state)
         self.membership.took_state()
         self.steps.recovered(given_up=step_given_up)
         dead = list(done.dead)
@@ -586,15 +591,15 @@ class Job:
         # (another collective of this boundary would meet no partner).
         for name, extra in self.adaptation.take_queued_hooks():
             self.adaptation.hook(name, **extra)
-            if self.membership.left:
+            if self.phase.left:
                 return False
         if self.adaptation.due(monitored=self.steps.monitored, round_end=round_end):
             self.adaptation.hook("after_step")
-        if not self.membership.left:
+        if not self.phase.left:
             self.membership.poll()
         if self.membership.allocator is not None:
             self.membership.allocator.reap()  # launchers of workers that exited: no zombies
-        return not self.membership.left
+        return not self.phase.left
 
     def _snapshot(self):
         """Rank 0 at a step boundary: what the policies decide on (the last step's report,
@@ -608,8 +613,7 @@ class Job:
                                                           and elastic.growing))
 
     def _over(self) -> bool:
-        return bool(self.membership.left or self.stopped or self.stops.by_stop_file
-                    or self._max_steps_reached())
+        return self.phase.over or self._max_steps_reached()
 
     def _max_steps_reached(self) -> bool:
         most = self.options.steps.max_steps

@@ -2,8 +2,8 @@
 at a boundary, a joiner's join, a leaver's exit.
 
 ``MembershipChanges`` is the Job's collaborator for them and owns what they change: whether
-this process is still joining and holds the training state, the elastic controller and its
-allocator, whether this rank left, the resizes done. It reads the job's other parts
+this process started as a joiner, the elastic controller and its allocator, the resizes done;
+a join and a shrink move the job's phase (``loop.phase``: holding the state, left). It reads the job's other parts
 (options, world, state, optimizer, step runner, monitoring, recorder, stops) and assigns
 none of the Job's attributes."""
 
@@ -26,6 +26,7 @@ from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.comm.world import CommView
 from hpcadapt.elastic.allocator import LocalAllocator
+from hpcadapt.loop.phase import JobPhase
 from hpcadapt.loop.setup_checks import say_once
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.adapt.control import ControlLayout
@@ -43,13 +44,15 @@ class MembershipChanges:
     marks ``hpcadapt.base.config`` takes from the environment): to join a running job
     through a port's folder, spawned by Open MPI's grow, or as a warm spare of that rank 0."""
 
-    def __init__(self, job, recorder: Recorder, *, fail: Callable[[BaseException], NoReturn],
+    def __init__(self, job, recorder: Recorder, phase: JobPhase, *,
+                 fail: Callable[[BaseException], NoReturn],
                  check_replicas: Callable[[], Optional[bool]],
                  queue_hook: Callable[..., None], close_loader: Callable[[], None],
                  resized: Callable[[], None],
                  join_dir: Optional[str], spawned_to_join: bool, spare_of: Optional[str]):
         self.job = job
         self.recorder = recorder
+        self.phase = phase     # the job's life: a join and a shrink move it
         self.fail = fail       # ends the job, state saved (Stops.fail)
         self.check_replicas = check_replicas  # --check-replicas after a resize (Monitoring's)
         self.queue_hook = queue_hook      # the policies' on_resize, at the next boundary
@@ -59,13 +62,8 @@ class MembershipChanges:
         #: a worker started to join a running job, until it has joined (or, after a
         #: recovery, took rank 0's role: then it owns the checkpoint and the end)
         self.joining = join_dir is not None or spawned_to_join
-        #: whether this process holds the training state (a joiner does once it joined): a
-        #: recovery during a join takes the state from a survivor that holds it
-        self.holds_state = not self.joining
         self.elastic = None  # the ElasticController, with --max-workers
         self.allocator = None
-        #: this rank left the job in a shrink
-        self.left = False
         #: every resize this rank saw (the summary's)
         self.resizes: List[Dict[str, Any]] = []
         self.identical_after_resize: Optional[bool] = None
@@ -96,7 +94,7 @@ class MembershipChanges:
     def took_state(self) -> None:
         """A recovery handed this process the agreed state (a joiner that took rank 0's role
         logs as rank 0 from now on)."""
-        self.holds_state = True
+        self.phase.took_state()
 
     def own_the_end(self) -> None:
         """Rank 0 died and this worker took its role: a joiner no longer, it owns the
@@ -244,7 +242,7 @@ class MembershipChanges:
         t0 = time.perf_counter()
         new = split_leavers(self.world.comm, leavers)
         if new is None:
-            self.left = True
+            self.phase.leave()
             log.info("leaving the job (%s)", reason)
             return
         self.world.replace(new)
@@ -438,7 +436,7 @@ class MembershipChanges:
                 self._confirm_join()
         except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
             _give_up_join(exc)
-        self.holds_state = True
+        self.phase.took_state()
         self.after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
@@ -495,7 +493,7 @@ class MembershipChanges:
             log.info("joined as rank %d of %d at step %d, through the recovery from a death "
                      "during the join", self.world.rank, self.world.size, self.state.step)
             return
-        self.holds_state = True
+        self.phase.took_state()
         self.after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
@@ -602,7 +600,7 @@ class MembershipChanges:
 
     def finish(self) -> None:
         """A grow still pending when training ends is abandoned on every rank."""
-        if self.elastic is not None and self.elastic.growing and not self.left:
+        if self.elastic is not None and self.elastic.growing and not self.phase.left:
             self.record_resize(self.elastic.abandon("training ended first",
                                                      wait_s=self.options.failures.peer_timeout))
 

@@ -2,8 +2,9 @@
 recovered from, checkpoints (periodic and at a stop), the resume, and the end of the job
 (summary, exit code).
 
-``Stops`` is the Job's collaborator for it: it owns why the job stopped, whether a stop asks
-for a requeue, the exit code and the step it resumed at; it reads the job's parts and
+``Stops`` is the Job's collaborator for it: it moves the job's phase to stopped or finished
+(``loop.phase``) and owns whether a stop asks for a requeue, the exit code and the step it
+resumed at; it reads the job's parts and
 assigns none of the Job's attributes."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hpcadapt.comm.tell import root_tells
 from hpcadapt.data.loader import sweep_dead_worker_dirs
 from hpcadapt.state.lease import CheckpointLease
 from hpcadapt.state.training import checkpoint_step
+from hpcadapt.loop.phase import JobPhase
 from hpcadapt.loop.recording import Recorder
 
 __all__ = ["Stops"]
@@ -47,20 +49,19 @@ class Stops:
     cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the end
     of the job (summary, exit code)."""
 
-    def __init__(self, job, recorder: Recorder, membership: StopsMembership,
+    def __init__(self, job, recorder: Recorder, phase: JobPhase, membership: StopsMembership,
                  signals: Optional[StopSignals] = None):
         self.job = job
         self.recorder = recorder
+        self.phase = phase  # the job's life: a stop, the stop file move it
         self.membership = membership
         #: the stop signals' handlers (installed before MPI starts): what was received
         self.signals = signals
         #: values a checkpoint must match to be resumed (``job.setup(identity=...)``)
         self.identity: Dict[str, Any] = {}
-        self.stopped: Optional[str] = None  # why training stopped (None: it did not)
         self.requeue = True      # whether a stop asks the job script to requeue (exit 75)
         self.exit_code = 0
         self.resumed_at: Optional[int] = None  # the step a resume started from
-        self.by_stop_file = False  # --stop-file was found: training ended there (exit 0)
         self.lease_token: Optional[str] = None  # every rank: the job's --checkpoint lease token
 
     def expect_identity(self, identity: Optional[Dict[str, Any]]) -> None:
@@ -69,7 +70,7 @@ class Stops:
 
     def finish_by_stop_file(self) -> None:
         """``--stop-file`` appeared: training ends at this boundary, as a finished run."""
-        self.by_stop_file = True
+        self.phase.finish("the stop file")
         job = self.job
         if job.world.rank == 0:
             log.info("stop file %s found at step %d: training ends here",
@@ -133,13 +134,13 @@ class Stops:
         job = self.job
         name = (self.signals.received if self.signals and self.signals.received
                 else "a stop signal on another rank")
-        self.stopped = name
+        self.phase.stop(name)
         saved = None
         if job.world.rank == 0:
             saved = self.save_for_stop(name)
             self.record_stop(name, saved, requeue=saved)
         if not root_tells(saved, job.world, what="the stop's verdict"):
-            self.stopped = f"{name}; state NOT saved"
+            self.phase.not_saved()
 
     def record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
         """Rank 0: the stop's line in the metrics (plots mark it)."""
@@ -175,7 +176,7 @@ class Stops:
                                               cluster_version=job.world.cluster_version))
             saved = False
             if job.options.stops.checkpoint and self.membership.owns_the_end():
-                self.stopped = "peer failure"
+                self.phase.stop("peer failure")
                 saved = self.save_for_stop(f"the failure of {who}")
                 if not saved:
                     code = 1
@@ -204,7 +205,7 @@ class Stops:
         self.requeue = False
         unit = "updates" if st.strategy.asynchronous and job.world.size > 1 else "steps"
         name = f"{n} {unit} with a non-finite loss"
-        self.stopped = f"{name}; state NOT saved"
+        self.phase.stop(name, saved=False)
         if job.world.rank != 0:
             return
         log.error("the loss was not finite for %d %s in a row (up to step %d, learning "
@@ -270,10 +271,9 @@ class Stops:
         is still joining), MPI released; exits unless ``exit=False``."""
         job = self.job
         self.exit_code = 0
-        if self.stopped:
+        if self.phase.stopped:
             # Requeue only from a saved state (rank 0 saves; the others follow its word).
-            self.exit_code = EXIT_REQUEUE if self.requeue and \
-                not self.stopped.endswith("NOT saved") else 1
+            self.exit_code = EXIT_REQUEUE if self.requeue and self.phase.saved else 1
         elif job.options.stops.checkpoint and job.world.rank == 0 and owns_checkpoint:
             # what this job owns: the checkpoint and its lease (another job may hold the
             # path now, if this one's lease was taken over while it ran)
