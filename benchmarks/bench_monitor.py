@@ -39,7 +39,7 @@ def config_for(name: str, nth: int) -> MonitorConfig:
 
 
 def resnet_job(batch: int, steps: int) -> Tuple[hpcadapt.Job, nn.Module, Iterator]:
-    """The built-in entry point's setup (``hpcadapt.trainer.run_builtin``) of the ResNet-style
+    """The built-in entry point's setup (``hpcadapt.builtin_training.run_builtin``) of the ResNet-style
     model (width 32) on 2,048 synthetic samples, and an endless stream of its batches (the
     job stops after ``steps`` steps)."""
     args = build_parser().parse_args([

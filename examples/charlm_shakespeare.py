@@ -31,7 +31,7 @@ from torch.utils.data import TensorDataset  # noqa: E402
 
 from hpcadapt.datasets import load_dataset  # noqa: E402
 from hpcadapt.models import build_model  # noqa: E402
-from hpcadapt.trainer import evaluate  # noqa: E402
+from hpcadapt.builtin_training import evaluate  # noqa: E402
 
 
 def main():

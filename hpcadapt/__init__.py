@@ -27,7 +27,7 @@ _HOMES = {
     ".args": ["add_arguments"],
     ".base.preemption": ["block_stop_signals", "EXIT_REQUEUE"],
     ".state.training": ["UserState", "TrainingState"],
-    ".trainer": ["evaluate_accuracy"],
+    ".builtin_training": ["evaluate_accuracy"],
     ".base.errors": ["HpcAdaptError", "ConfigurationError", "CommunicationError", "MembershipError",
                 "AllocationError", "PolicyError"],
 }

@@ -41,8 +41,8 @@ from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.data.loader import ElasticDataLoader, split_micro
 from hpcadapt.loop.adaptation import Adaptation
 from hpcadapt.adapt.control import StepTimes
-from hpcadapt.loop.failures import FailureRecovery, RecoveryScope
-from hpcadapt.loop.resizing import MembershipChanges
+from hpcadapt.loop.failures import Failures, RecoveryScope
+from hpcadapt.loop.resizing import Resizing
 from hpcadapt.adapt.monitors import GradientNoiseScale
 from hpcadapt.loop.phase import JobPhase
 from hpcadapt.loop.monitoring import Monitoring
@@ -93,7 +93,7 @@ class Job:
         # resizes, joins, leaving; how this process was started (to join a running job
         # through a port's folder, spawned by Open MPI's grow, a warm spare of a rank 0).
         # What it calls on collaborators created after it goes through these lambdas.
-        self.membership = MembershipChanges(
+        self.resizing = Resizing(
             self, self.recorder, self.phase, fail=lambda exc: self.stops.fail(exc),
             check_replicas=lambda: self.monitoring.check_replicas_if_asked(),
             queue_hook=lambda name, **extra: self.adaptation.queue_hook(name, **extra),
@@ -115,16 +115,16 @@ class Job:
         # Why it stopped, checkpoints, the resume, the exit code; the stop signals' handlers.
         # Always: without --checkpoint a stop signal (or Ctrl-C) still ends the job at the
         # next step boundary, saying nothing was saved, instead of being swallowed.
-        self.stops = Stops(self, self.recorder, self.phase, self.membership, StopSignals.named(
+        self.stops = Stops(self, self.recorder, self.phase, self.resizing, StopSignals.named(
             o.stops.stop_signals, saves=bool(o.stops.checkpoint)).install())
         companion_of = config.take_companion_of()
         if companion_of is not None:
             self.stops.signals.leave_instead(f"its companion job of Slurm job {companion_of} "
                                              f"is ending (cancelled, or its node taken back)")
         self.world = world_mod.init()
-        self.membership.listen_early()  # a spawned joiner hears the job from now on
+        self.resizing.listen_early()  # a spawned joiner hears the job from now on
         self.stops.signals.announce = lambda: (self.world.rank == 0
-                                               and not self.membership.joining)
+                                               and not self.resizing.joining)
         # A peer that dies during the user's own collective work: saved, exit 75.
         lifecycle.set_failure_handler(
             lambda exc: self.stops.fail(exc) if isinstance(exc, world_mod.PeerFailure) else None)
@@ -143,17 +143,17 @@ class Job:
         self.adaptation = Adaptation(
             self, self.recorder, snapshot=self._snapshot,
             check_replicas=lambda: self.monitoring.check_replicas_if_asked(),
-            request_resize=self.membership.request_resize)
+            request_resize=self.resizing.request_resize)
         if o.membership.max_workers is not None:
-            self.membership.setup_elastic()
-        if not self.membership.joining:
+            self.resizing.setup_elastic()
+        if not self.resizing.joining:
             setup_checks.check_output_folders(o, self.world)
         # A run that will resume (its checkpoint is there) goes on in its metrics file;
         # any other starts the file anew.
         resuming = bool(o.stops.checkpoint) and os.path.exists(o.stops.checkpoint)
-        self.recorder.open(None if self.membership.joining else o.recording.metrics_file,
+        self.recorder.open(None if self.resizing.joining else o.recording.metrics_file,
                            enabled=self.world.rank == 0, resuming=resuming)
-        if self.world.rank == 0 and not self.membership.joining:
+        if self.world.rank == 0 and not self.resizing.joining:
             agent.record_coordinator()  # for the agent's signals, when there is one
         self.state: Optional[TrainingState] = None
         self.extra = UserState()
@@ -162,11 +162,11 @@ class Job:
         # the step in flight and what it leaves behind
         self.steps = StepRunner(self, self.recorder, self.adaptation.engine, self.stops.signals,
                                 self.monitoring, follow_ramp=self.adaptation.follow_ramp,
-                                recoverable=lambda: self.recovery.recoverable,
-                                slot_ranks=self.membership.slot_ranks)
+                                recoverable=lambda: self.failures.recoverable,
+                                slot_ranks=self.resizing.slot_ranks)
         # a peer's death, recovered from in place
-        self.recovery = FailureRecovery(self, self.recorder, self.adaptation.engine,
-                                        self.stops.fail, self.membership, self.steps.roll_back)
+        self.failures = Failures(self, self.recorder, self.adaptation.engine,
+                                        self.stops.fail, self.resizing, self.steps.roll_back)
         if o.recording.sample_log:
             self.recorder.open_sample_log(o.recording.sample_log)
 
@@ -186,14 +186,14 @@ class Job:
             raise on_every_rank(ConfigurationError(
                 "the loader must be an hpcadapt.ElasticDataLoader (it "
                 "follows the job's global data cursor)"))
-        if loader.batch_size < self.world.size and not self.membership.joining:
+        if loader.batch_size < self.world.size and not self.resizing.joining:
             raise on_every_rank(ConfigurationError(
                 f"the global batch size {loader.batch_size} is below the {self.world.size} "
                 f"workers: each needs at least one sample per step; use a batch size of at "
                 f"least {self.world.size}"))
         strategy = strategies.from_options(o.steps)
         if strategy.min_workers > max(self.world.size, o.membership.initial_workers or 0) \
-                and not self.membership.joining:
+                and not self.resizing.joining:
             what = ("a peer to average with" if strategy.pairs_models
                     else "an aggregator (rank 0) and a worker")
             raise on_every_rank(ConfigurationError(
@@ -227,15 +227,15 @@ class Job:
         self.state.switch_topology(o.comm.topology)
         loader.bind(self._batches, self.state.global_batch_size)
         loader.sampler.job_driven = True
-        if self.membership.joining:
-            self.membership.join()
+        if self.resizing.joining:
+            self.resizing.join()
         else:
             resumed = bool(o.stops.checkpoint) and self.stops.resume(o.stops.checkpoint)
-            start_size, reason = self.membership.start_size(resumed)
+            start_size, reason = self.resizing.start_size(resumed)
             if start_size > self.world.size:
-                self.membership.start_initial_workers(start_size, reason)
-            if self.membership.elastic is not None:
-                self.membership.elastic.keep_spares()  # rank 0: they start while training starts
+                self.resizing.start_initial_workers(start_size, reason)
+            if self.resizing.elastic is not None:
+                self.resizing.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
                 if self.device_choice.kind == "cuda":  # after every refusal: not before one
                     log.info("device: %s", self.device_choice.reason)
@@ -355,7 +355,7 @@ class Job:
                           "batch_size": st.hyper.batch_size, "lr": self.steps.last_rate(),
                           "left": self.phase.left,
                           "cluster_version": self.world.cluster_version,
-                          "resizes": self.membership.resizes, "stopped": self.stopped,
+                          "resizes": self.resizing.resizes, "stopped": self.stopped,
                           "strategy": st.strategy.name,
                           "model_digest": self.monitoring.model_digest(),
                           "user_metrics": dict(self.recorder.user_metrics),
@@ -372,8 +372,8 @@ class Job:
             self.monitoring.end_progress()
             self.stops.announce(summary)
         self.recorder.close()
-        self.membership.release_workers()
-        self.stops.end(owns_checkpoint=not self.membership.joining, exit=exit)
+        self.resizing.release_workers()
+        self.stops.end(owns_checkpoint=not self.resizing.joining, exit=exit)
         return summary
 
     # -- records and checks, on every rank (loop/monitoring.py) -----------------------------
@@ -480,7 +480,7 @@ class Job:
             skip_before = True  # recovered at the end: the agreed state says where it is
         if not self.phase.left and not self.phase.stopped:
             self._hook_in_scope("after_train")
-        self.membership.finish()
+        self.resizing.finish()
 
     def _batches(self) -> Iterator[Any]:
         """This rank's (micro-)batches of the current epoch from the cursor on; the step
@@ -498,7 +498,7 @@ class Job:
         # A recovery may hand this rank the state of a survivor already in the next epoch:
         # this epoch's iteration then ends (job.epochs() goes on from that state).
         while st.epoch == epoch and not st.sampler.epoch_done and not self._over():
-            self.recovery.take_restart()  # a recovery in an epoch hook needs no redo
+            self.failures.take_restart()  # a recovery in an epoch hook needs no redo
             rounds = st.strategy.asynchronous and self.world.size > 1
             going_on = True
             # The loop's recovery scope: a peer's failure anywhere in the step (round) or at
@@ -512,18 +512,18 @@ class Job:
                 count = yield from (self.steps.rounds.round() if rounds
                                     else self.steps.sync_step())
                 scope.step_given_up = False
-                if not self.recovery.restart_pending:
+                if not self.failures.restart_pending:
                     going_on = self._boundary(count, round_end=rounds)
             self.steps.undo_user_code_of_given_up_step()
-            if self.recovery.take_restart():
+            if self.failures.take_restart():
                 continue
             if self.phase.left:
-                self.membership.leave()
+                self.resizing.leave()
             if not going_on:
                 break
 
     def _recover(self, exc: BaseException, *, step_given_up: bool = False) -> None:
-        """Recover from a peer's failure (``FailureRecovery.recover``; or the job ends) and
+        """Recover from a peer's failure (``Failures.recover``; or the job ends) and
         act on what it did: the loop's iteration starts again from the agreed state (the
         step from its cursor, at the new size), the resize is recorded, and with
         --replace-failed workers are asked for in the dead's place. ``step_given_up``: the
@@ -532,19 +532,19 @@ class Job:
         committed leaves the body's work of the committed step."""
         from hpcadapt.elastic.membership import ResizeOutcome
 
-        done = self.recovery.recover(exc, holds_state=self.phase.holds_state)
-        self.membership.took_state()
+        done = self.failures.recover(exc, holds_state=self.phase.holds_state)
+        self.resizing.took_state()
         self.steps.recovered(given_up=step_given_up)
         dead = list(done.dead)
         if self.world.rank == 0:
             log.warning("rank(s) %s of %d died (%s): recovered in %.3f s on %d workers, "
                         "training from step %d", dead, done.old_size, done.why,
                         time.perf_counter() - done.started, self.world.size, self.state.step)
-        self.membership.after_resize(ResizeOutcome(done.old_size, done.new_size,
+        self.resizing.after_resize(ResizeOutcome(done.old_size, done.new_size,
                                                    f"failure of rank(s) {dead}", 0.0, True),
                                      done.started)
-        if self.options.failures.replace_failed and self.membership.elastic is not None:
-            self.membership.request_resize(self.world.size + len(dead),
+        if self.options.failures.replace_failed and self.resizing.elastic is not None:
+            self.resizing.request_resize(self.world.size + len(dead),
                                            f"replacing failed rank(s) {dead}")
 
     def _agree_on_the_end(self) -> bool:
@@ -555,12 +555,12 @@ class Job:
         cannot complete while a peer is dead or recovering (its revoke interrupts it), so
         either all pass or all recover, taking the state of the one furthest on. Returns
         whether a recovery happened (training goes on from the agreed state)."""
-        if not (world_mod.ULFM and self.recovery.recoverable and self.world.size > 1):
+        if not (world_mod.ULFM and self.failures.recoverable and self.world.size > 1):
             return False
         with self.recovery_scope():
             world_mod.wait_request(self.world.comm.Ibarrier(), self.world.watch,
                                    "the end of training")
-        return self.recovery.take_restart()
+        return self.failures.take_restart()
 
     def _boundary(self, count: int, *, round_end: bool = False) -> bool:
         """Between two steps, on every rank: metrics, stop, policies, resizes. Returns
@@ -596,18 +596,18 @@ class Job:
         if self.adaptation.due(monitored=self.steps.monitored, round_end=round_end):
             self.adaptation.hook("after_step")
         if not self.phase.left:
-            self.membership.poll()
-        if self.membership.allocator is not None:
-            self.membership.allocator.reap()  # launchers of workers that exited: no zombies
+            self.resizing.poll()
+        if self.resizing.allocator is not None:
+            self.resizing.allocator.reap()  # launchers of workers that exited: no zombies
         return not self.phase.left
 
     def _snapshot(self):
         """Rank 0 at a step boundary: what the policies decide on (the last step's report,
         the membership's room to grow)."""
-        elastic = self.membership.elastic
+        elastic = self.resizing.elastic
         return self.monitoring.snapshot(
             self.steps.report(),
-            max_workers=self.membership.slot_ranks() if elastic is not None
+            max_workers=self.resizing.slot_ranks() if elastic is not None
             else self.world.size,
             can_resize=elastic is not None, resizing=bool(elastic is not None
                                                           and elastic.growing))
@@ -626,7 +626,7 @@ class Job:
         completes at a later step boundary, when the new workers are ready. Requests that
         cannot be met are clipped or refused with a logged reason; training goes on.
         ``remove``: the ranks a shrink should let go first."""
-        self.membership.request_resize(new_size, reason, remove=remove)
+        self.resizing.request_resize(new_size, reason, remove=remove)
 
     def switch_strategy(self, strategy: Strategy, reason: str = "user request") -> None:
         """Change the synchronisation strategy from the next step on; call on every rank at
@@ -648,7 +648,7 @@ class Job:
         recovery scope; whether a recovery cut it short."""
         with self.recovery_scope():
             self.adaptation.hook(name)
-        return self.recovery.take_restart()
+        return self.failures.take_restart()
 
     def recovery_scope(self) -> RecoveryScope:
         """Where a peer's failure is recovered from: see ``RecoveryScope``."""
@@ -658,7 +658,7 @@ class Job:
     def restart_pending(self) -> bool:
         """Whether a recovery (in ``job.step``) asked the loop to start its iteration again:
         a bounded-delay worker's round stops handing out batches then."""
-        return self.recovery.restart_pending
+        return self.failures.restart_pending
 
     def _require_setup(self) -> TrainingState:
         if self.state is None:

@@ -146,7 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     block_stop_signals()
     parser = build_parser()
     args = parser.parse_args(argv)
-    from hpcadapt.trainer import run_builtin
+    from hpcadapt.builtin_training import run_builtin
 
     # Errors end every rank through the job's exception hook (see hpcadapt.job).
     run_builtin(args)

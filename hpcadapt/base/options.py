@@ -72,7 +72,7 @@ class CommOptions:
 
 @dataclass(frozen=True)
 class MembershipOptions:
-    """``MembershipChanges``': how many workers, where they come from, how joins are waited
+    """``Resizing``': how many workers, where they come from, how joins are waited
     for."""
 
     max_workers: Optional[int] = None
@@ -91,7 +91,7 @@ class MembershipOptions:
 
 @dataclass(frozen=True)
 class FailureOptions:
-    """``FailureRecovery``'s: whether a peer's death is recovered from, and how long a
+    """``Failures``'s: whether a peer's death is recovered from, and how long a
     silent peer is waited for (every bounded wait's floor)."""
 
     on_failure: str = "recover"

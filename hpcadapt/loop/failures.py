@@ -1,7 +1,7 @@
 """A peer's death, recovered from in place: the survivors agree on who died, form a world
 without them, and take the state of the one furthest on.
 
-``FailureRecovery`` is the Job's collaborator for it: ``recover`` returns a typed
+``Failures`` is the Job's collaborator for it: ``recover`` returns a typed
 ``Recovered`` outcome for the Job to act on (record the resize, replace the dead) and asks
 the loop to start its iteration again (``restart_pending``, read once by the loop's scope
 through ``take_restart``), or ends the job through ``Stops.fail`` (state saved, exit 75)
@@ -26,7 +26,7 @@ from hpcadapt.comm.world import CommView
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.adapt.engine import PolicyEngine
 
-__all__ = ["FailureRecovery", "Recovered", "RecoveryScope"]
+__all__ = ["Failures", "Recovered", "RecoveryScope"]
 
 log = logging.getLogger("hpcadapt.job")
 
@@ -45,7 +45,7 @@ class Recovered:
 
 
 class RecoveryMembership(Protocol):
-    """What a recovery asks of the job's membership (``loop.resizing.MembershipChanges``)."""
+    """What a recovery asks of the job's membership (``loop.resizing.Resizing``)."""
 
     def may_grow(self) -> bool: ...
 
@@ -58,7 +58,7 @@ class RecoveryMembership(Protocol):
     def own_the_end(self) -> None: ...
 
 
-class FailureRecovery:
+class Failures:
     """Detect, agree, shrink, survey, take the state of the survivor furthest on (see
     ``recover``). Reads the job's options, world, state and optimizer; is given the
     recorder, the policy engine, the membership's part (``RecoveryMembership``), the step

@@ -1,7 +1,7 @@
 """The job's side of membership changes: resizes asked for, shrinks, grows polled and completed
 at a boundary, a joiner's join, a leaver's exit.
 
-``MembershipChanges`` is the Job's collaborator for them and owns what they change: whether
+``Resizing`` is the Job's collaborator for them and owns what they change: whether
 this process started as a joiner, the elastic controller and its allocator, the resizes done;
 a join and a shrink move the job's phase (``loop.phase``: holding the state, left). It reads the job's other parts
 (options, world, state, optimizer, step runner, monitoring, recorder, stops) and assigns
@@ -31,12 +31,12 @@ from hpcadapt.loop.setup_checks import say_once
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.adapt.control import ControlLayout
 
-__all__ = ["MembershipChanges"]
+__all__ = ["Resizing"]
 
 log = logging.getLogger("hpcadapt.job")
 
 
-class MembershipChanges:
+class Resizing:
     """The job's side of membership changes: resizes asked for, shrinks, grows polled
     and completed at a boundary, a joiner's join, a leaver's exit.
 

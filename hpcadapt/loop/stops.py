@@ -35,7 +35,7 @@ log = logging.getLogger("hpcadapt.job")
 
 
 class StopsMembership(Protocol):
-    """What the stops ask of the job's membership (``loop.resizing.MembershipChanges``)."""
+    """What the stops ask of the job's membership (``loop.resizing.Resizing``)."""
 
     def owns_the_end(self) -> bool: ...
 

@@ -180,7 +180,7 @@ def test_log_eval_writes_one_eval_line(tmp_path):
 
 
 def test_schedules_follow_progress():
-    from hpcadapt.trainer import schedule_factor as f
+    from hpcadapt.builtin_training import schedule_factor as f
 
     assert [f(p) for p in (0, 0.5, 1)] == [1, 1, 1]
     assert [round(f(p, "cosine"), 6) for p in (0, 0.5, 1)] == [1, 0.5, 0]
@@ -291,7 +291,7 @@ def _the_kept_model_is_the_trained_one_and_writes_text(path, samples, val_loss):
     from hpcadapt.datasets import load_dataset
     from hpcadapt.generate import main as generate_main
     from hpcadapt.saved_model import load_model
-    from hpcadapt.trainer import evaluate
+    from hpcadapt.builtin_training import evaluate
 
     saved = load_model(str(path))
     assert (saved.model, saved.dataset, saved.input_shape) == ("charlm", "shakespeare", (64,))

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from conftest import run_mpi
-from hpcadapt.trainer import schedule_factor
+from hpcadapt.builtin_training import schedule_factor
 
 TRAIN = ["-m", "hpcadapt.train", "--threads", "1", "--no-progress"]
 

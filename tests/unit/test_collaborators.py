@@ -19,9 +19,9 @@ LOOP = os.path.join(ROOT, "hpcadapt", "loop")
 
 # The Job's attribute for each collaborator, and the module that defines it.
 COLLABORATORS = {
-    "steps": "steps.py", "recorder": "recording.py", "recovery": "failures.py",
+    "steps": "steps.py", "recorder": "recording.py", "failures": "failures.py",
     "monitoring": "monitoring.py", "adaptation": "adaptation.py", "stops": "stops.py",
-    "membership": "resizing.py", "rounds": "rounds.py",
+    "resizing": "resizing.py", "rounds": "rounds.py",
 }
 
 # (from, into) -> reach-throughs still allowed: none since 2026-12-07 (the Recorder, the

@@ -11,7 +11,7 @@ from hpcadapt import ConfigurationError
 from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.base.options import RecordingOptions
 from hpcadapt.policies import POLICIES, DecayGrowth, GNSBatchSize, LRRule, MetricsSnapshot
-from hpcadapt.trainer import schedule_factor
+from hpcadapt.builtin_training import schedule_factor
 
 PEAK = 0.01
 

@@ -24,7 +24,7 @@ ALLOWED = {
     "loop": {"base", "comm", "cuda", "data", "parallel", "state", "elastic", "policies", "adapt",
              "slurm"},
 }
-APPS = {"job", "train", "trainer", "args", "plot", "models", "datasets", "agent", "__main__",
+APPS = {"job", "train", "builtin_training", "args", "plot", "models", "datasets", "agent", "__main__",
         "saved_model", "generate",
         "__init__"}
 FOLDERS = {"cuda": "cuda", "slurm": "slurm", "policies": "policies"}  # top-level folders

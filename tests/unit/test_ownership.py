@@ -17,11 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # _prev_grads, _prev_count (now adapt/monitors.SplitStep); the step in flight, its
 # timings, control values and micro-batch counters, 23 of them (loop/steps.StepRunner,
 # loop/rounds.BoundedDelayRounds); _restart and joining, once the recovery became a
-# collaborator that returns what it did (loop/failures.FailureRecovery); _queued_hooks and
+# collaborator that returns what it did (loop/failures.Failures); _queued_hooks and
 # finished_by_stop_file, once the boundary's loop control moved into job.py and the
 # policies' plans into loop/adaptation.Adaptation; stopped, _requeue, exit_code and
 # _resumed_at, owned by loop/stops.Stops now; _holds_state, _identical_after_resize,
-# allocator, elastic and left, owned by loop/resizing.MembershipChanges (the last mixin).
+# allocator, elastic and left, owned by loop/resizing.Resizing (the last mixin).
 SHARED: set = set()
 
 # The Job's collaborators in loop/: each owns the attributes its class assigns on ``self``;
@@ -30,11 +30,11 @@ COLLABORATORS = {
     "hpcadapt/loop/steps.py": "StepRunner",
     "hpcadapt/loop/rounds.py": "BoundedDelayRounds",
     "hpcadapt/loop/recording.py": "Recorder",
-    "hpcadapt/loop/failures.py": "FailureRecovery",
+    "hpcadapt/loop/failures.py": "Failures",
     "hpcadapt/loop/monitoring.py": "Monitoring",
     "hpcadapt/loop/adaptation.py": "Adaptation",
     "hpcadapt/loop/stops.py": "Stops",
-    "hpcadapt/loop/resizing.py": "MembershipChanges",
+    "hpcadapt/loop/resizing.py": "Resizing",
 }
 
 
