@@ -225,6 +225,8 @@ class Job:
                                    self.extra, self.adaptation.engine)
         self.state.switch_strategy(strategy)
         self.state.switch_topology(o.comm.topology)
+        # the optimizer and its data plane read both from the state (their one owner)
+        self.optimizer.follow(self.state, o.comm.ranks_per_node)
         loader.bind(self._batches, self.state.global_batch_size)
         loader.sampler.job_driven = True
         if self.resizing.joining:

@@ -203,7 +203,6 @@ class StepRunner:
     def _begin_step(self):
         job = self.job
         st = job.state
-        o = job.options
         world = job.world
         self._t_start = time.perf_counter()
         self.follow_ramp()
@@ -231,8 +230,6 @@ class StepRunner:
         # --slow-compute: before forward, (F - 1) x the last step's own compute (the sleep
         # left out of it, or each step's sleep would feed the next one's)
         self.open_step()
-        opt.set_strategy(st.strategy)
-        opt.set_topology(st.topology, o.comm.ranks_per_node)
         opt.begin_step(st.step)
         # A step given up by a recovery is logged again when it is redone, with the new
         # world's cluster version: per step, the records of the highest version are the

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -50,6 +50,22 @@ __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_
            "GradientStats", "BufferBroadcast"]
 
 log = logging.getLogger(__name__)
+
+
+class StepSettings(Protocol):
+    """Where the optimizer reads each step's strategy and allreduce topology (the job's
+    ``TrainingState`` owns them)."""
+
+    strategy: Strategy
+    topology: str
+
+
+class _OwnSettings:
+    """The optimizer's own settings, for standalone use (``set_strategy``): S-SGD, flat."""
+
+    def __init__(self, strategy: Optional[Strategy] = None, topology: str = "flat"):
+        self.strategy = strategy if strategy is not None else SSGD()
+        self.topology = topology
 
 
 class GradientStats:
@@ -141,7 +157,9 @@ class DistributedOptimizer:
         # revoked communicator), raised by ``synchronize`` where the job handles it: an
         # exception out of a hook would surface from autograd's backward instead.
         self._hook_failure: Optional[BaseException] = None
-        self.strategy: Strategy = SSGD()
+        # where the strategy and the allreduce topology are read at each step: the job's
+        # training state (``follow``), or the optimizer's own (``set_strategy``, standalone)
+        self._settings: StepSettings = _OwnSettings()
         self._sync_grads = True       # this step averages gradients (the strategy, monitors)
         self._model_alpha: Optional[float] = None  # this step's pull towards the average
         # this step's models' average in flight: (buckets, their tensors, handles)
@@ -246,12 +264,33 @@ class DistributedOptimizer:
             self._extra_slots = int(n)
             self._staged_extras = torch.zeros(n + 1, dtype=torch.float64)
 
-    def set_topology(self, topology: str, ranks_per_node: Optional[int] = None) -> None:
-        """The allreduce topology over MPI (``hpcadapt.comm.topology``) from the next cluster
-        version on (the caller raises the version at the same boundary on every rank)."""
-        if (topology, ranks_per_node) != (self._plane.topology, self._plane.ranks_per_node):
-            self._plane.topology = topology
+    def follow(self, settings: "StepSettings", ranks_per_node: Optional[int] = None) -> None:
+        """Read the strategy and the allreduce topology from ``settings`` (the job's
+        ``TrainingState``, their one owner) at each step from now on, instead of keeping
+        copies; ``ranks_per_node``: emulated nodes (``--ranks-per-node``), fixed for the
+        job. A change of either is taken at the next ``begin_step``, on every rank alike
+        (the owner changes them at the same boundary everywhere)."""
+        self._settings = settings
+        self._set_ranks_per_node(ranks_per_node)
+
+    def _set_ranks_per_node(self, ranks_per_node: Optional[int]) -> None:
+        if ranks_per_node != self._plane.ranks_per_node:
             self._plane.ranks_per_node = ranks_per_node
+            self._version = -1  # the next step takes the new communicator (collective)
+
+    def set_topology(self, topology: str, ranks_per_node: Optional[int] = None) -> None:
+        """Standalone use (no job): the allreduce topology over MPI
+        (``hpcadapt.comm.topology``) from the next step on; every rank must call it at the
+        same point."""
+        self._settings = _OwnSettings(self._settings.strategy, topology)
+        self._set_ranks_per_node(ranks_per_node)
+        self._take_topology()
+
+    def _take_topology(self) -> None:
+        """The communicator follows the settings' topology: a new one is formed at the next
+        use (collective) when it changed."""
+        if self._settings.topology != self._plane.topology:
+            self._plane.topology = self._settings.topology
             self._version = -1  # the next step takes the new communicator (collective)
 
     @property
@@ -264,14 +303,21 @@ class DistributedOptimizer:
         return self._plane.plane
 
     def set_strategy(self, strategy: Strategy) -> None:
-        """The synchronisation strategy from the next step on (``hpcadapt.base.strategies``)."""
-        self.strategy = strategy
+        """Standalone use (no job): the synchronisation strategy from the next step on
+        (``hpcadapt.base.strategies``)."""
+        self._settings = _OwnSettings(strategy, self._settings.topology)
+
+    @property
+    def strategy(self) -> Strategy:
+        """The synchronisation strategy this step follows (read from its owner)."""
+        return self._settings.strategy
 
     def begin_step(self, step: int) -> None:
         """Before forward: what this step exchanges. Under model averaging the models'
         allreduce starts here (the parameters do not change until the update) and is
         finished in ``synchronize``; gradients are averaged under S-SGD and on monitored
         steps (``track_grad_norms``), else each replica keeps its own."""
+        self._take_topology()
         self.ensure_current()
         self._sync_grads = self.strategy.averages_gradients or self.track_grad_norms \
             or self._world.size == 1
