@@ -448,8 +448,6 @@ class Job:
         skip_before = False
         while True:
             while st.epoch < count and not self._over():
-                if st.sampler.epoch != st.epoch:
-                    st.sampler.start_epoch(st.epoch)
                 if not (resuming and first) and not skip_before:
                     # A recovery inside it: the other survivors may already be training;
                     # every rank goes straight to the steps, from the state all agreed on.

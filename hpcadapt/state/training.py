@@ -142,7 +142,6 @@ class TrainingState:
         self.strategy: Strategy = SSGD()  # the synchronisation strategy
         self.topology = "flat"      # the gradients' allreduce topology (hpcadapt.comm.topology)
         self.step = 0
-        self.epoch = 0
         # Whether the job has entered its epoch loop (its before_train hooks ran): a worker
         # that joins before that (--initial-workers) runs the hooks with everyone else.
         self.started = False
@@ -171,6 +170,11 @@ class TrainingState:
         return user_rate * self.rate_factor(reference)
 
     @property
+    def epoch(self) -> int:
+        """The epoch training is in: the sampler's (whose permutation it is), its one owner."""
+        return self.sampler.epoch
+
+    @property
     def samples_seen(self) -> int:
         """Samples trained on in committed steps, over all epochs (the global cursor)."""
         return self.epoch * self.sampler.num_samples + self.sampler.cursor
@@ -193,9 +197,8 @@ class TrainingState:
         return started
 
     def next_epoch(self) -> None:
-        """The epoch is done: the next one starts, and the sampler with it."""
-        self.epoch += 1
-        self.sampler.start_epoch(self.epoch)
+        """The epoch is done: the sampler starts the next one (the epoch is its)."""
+        self.sampler.start_epoch(self.sampler.epoch + 1)
 
     def commit(self, samples: int, steps: int, adascale: bool) -> None:
         """``samples`` trained in ``steps`` committed steps (a round's hold equal shares):
@@ -251,7 +254,7 @@ class TrainingState:
                 "gain_steps": self.gain_steps}
 
     def load_meta(self, meta: Mapping[str, Any]) -> None:
-        self.step, self.epoch = int(meta["step"]), int(meta["epoch"])
+        self.step = int(meta["step"])  # the epoch comes with the sampler's state
         h = dict(meta["hyper"])
         h["ramp"] = tuple(h["ramp"]) if h.get("ramp") else None
         self.hyper = HyperParams(**h)
@@ -358,7 +361,8 @@ class TrainingState:
                                  f"has {self.sampler.num_samples}")
             step, epoch = _whole("step", meta["step"]), _whole("epoch", meta["epoch"])
             cursor = _whole("data cursor", sampler["cursor"])
-            _whole("sampler epoch", sampler["epoch"])
+            if _whole("sampler epoch", sampler["epoch"]) != epoch:
+                raise ValueError(f"its epoch {epoch} is not its sampler's {sampler['epoch']}")
             _whole("sampler seed", sampler["seed"], high=2 ** 64 - 1)
             _whole("sampler shuffle", sampler["shuffle"], high=1)
             _whole("cluster version", meta["version"])

@@ -26,8 +26,8 @@ def make_state(lr: float = 0.1, batch: int = 16, width: int = 4) -> TrainingStat
 
 def saved(tmp_path, state=None, name="c.ckpt"):
     state = state or make_state()
-    state.step, state.epoch = 7, 1
-    state.sampler.set_epoch(1)
+    state.step = 7
+    state.sampler.set_epoch(1)  # the state's epoch is its sampler's
     state.sampler.advance(48)
     path = tmp_path / name
     state.save(str(path), cluster_version=2, identity={"model": "lin"})

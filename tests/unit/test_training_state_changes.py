@@ -4,6 +4,8 @@ record_accuracy, start, save's world size). Each on plain values, no Job."""
 
 import math
 
+import pytest
+
 import torch
 
 from hpcadapt.adapt.monitors import GradientNoiseScale
@@ -70,3 +72,18 @@ def test_save_records_the_world_size(tmp_path):
     back = _state()
     back.load(str(tmp_path / "c.pt"), identity={})
     assert back.world_size == 3
+
+
+def test_the_epoch_is_the_samplers_and_a_checkpoint_whose_two_disagree_is_refused(tmp_path):
+    st = _state()
+    st.sampler.load_state_dict(dict(st.sampler.state_dict(), epoch=4))  # a resume, say
+    assert st.epoch == 4 and st.samples_seen == 400
+    path = str(tmp_path / "c.ckpt")
+    st.save(path, cluster_version=1, identity={})
+    other = _state()
+    other.load(path, identity={})
+    assert other.epoch == other.sampler.epoch == 4
+    meta = st.meta(1)
+    meta["epoch"] = 3
+    with pytest.raises(ValueError, match="epoch 3 is not its sampler's 4"):
+        other._check_meta(meta)
