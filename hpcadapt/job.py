@@ -98,7 +98,7 @@ class Job:
             check_replicas=lambda: self.monitoring.check_replicas_if_asked(),
             queue_hook=lambda name, **extra: self.adaptation.queue_hook(name, **extra),
             close_loader=lambda: self.stops.close_loader(),
-            resized=lambda: self.steps.resized(),
+            resized=lambda: self.steps.resized(), recovery_scope=self.recovery_scope,
             join_dir=join_dir, spawned_to_join=spawned_to_join,
             spare_of=config.take_spare_mark())
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
@@ -163,7 +163,8 @@ class Job:
         self.steps = StepRunner(self, self.recorder, self.adaptation.engine, self.stops.signals,
                                 self.monitoring, follow_ramp=self.adaptation.follow_ramp,
                                 recoverable=lambda: self.failures.recoverable,
-                                slot_ranks=self.resizing.slot_ranks)
+                                slot_ranks=self.resizing.slot_ranks,
+                                restart_pending=lambda: self.failures.restart_pending)
         # a peer's death, recovered from in place
         self.failures = Failures(self, self.recorder, self.adaptation.engine,
                                         self.stops.fail, self.resizing, self.steps.roll_back)
@@ -653,12 +654,6 @@ class Job:
     def recovery_scope(self) -> RecoveryScope:
         """Where a peer's failure is recovered from: see ``RecoveryScope``."""
         return RecoveryScope(self._recover)
-
-    @property
-    def restart_pending(self) -> bool:
-        """Whether a recovery (in ``job.step``) asked the loop to start its iteration again:
-        a bounded-delay worker's round stops handing out batches then."""
-        return self.failures.restart_pending
 
     def _require_setup(self) -> TrainingState:
         if self.state is None:

@@ -23,6 +23,7 @@ from hpcadapt.base.plan import Plan
 from hpcadapt.base.strategies import Strategy
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.tell import root_tells
+from hpcadapt.loop.parts import JobParts
 from hpcadapt.loop.recording import Recorder
 
 if TYPE_CHECKING:
@@ -37,17 +38,18 @@ class Adaptation:
     """The policies' decision at a step boundary and the plan applied on every rank; the
     learning-rate ramp a batch change starts."""
 
-    def __init__(self, job, recorder: Recorder, snapshot: Callable[[], MetricsSnapshot], *,
+    def __init__(self, parts: JobParts, recorder: Recorder,
+                 snapshot: Callable[[], MetricsSnapshot], *,
                  check_replicas: Callable[[], Optional[bool]],
                  request_resize: Callable[..., None]):
         from hpcadapt.policies.lr_rules import LRRule
 
-        self.job = job
+        self.parts = parts
         self.recorder = recorder
         self.snapshot = snapshot   # what rank 0 knows at a step boundary (the Job's)
         self.check_replicas = check_replicas  # --check-replicas after a switch (Monitoring's)
         self.request_resize = request_resize  # a plan's new size (the membership's)
-        o = job.options.adaptation
+        o = parts.options.adaptation
         #: the policies and the rate rule: a snapshot in, decisions and a plan out
         self.engine = PolicyEngine(o.policies, LRRule(o.lr_rule, o.lr_ramp_steps),
                                    resize_batch=o.resize_batch)
@@ -59,7 +61,7 @@ class Adaptation:
         """Whether the policies decide at this step boundary (their interval, or the end of
         a bounded-delay round); ``monitored``: whether the last step measured the gradient
         statistics."""
-        return self.engine.active and (round_end or self.engine.due(self.job.state.step,
+        return self.engine.active and (round_end or self.engine.due(self.parts.state.step,
                                                                     monitored))
 
     def queue_hook(self, name: str, **extra: Any) -> None:
@@ -74,68 +76,68 @@ class Adaptation:
     def follow_ramp(self) -> None:
         """The reference rate of this step (a batch change's ramp moves it); the update
         applies it on top of the user's rates (``rates_scaled``)."""
-        self.job.state.follow_ramp()
+        self.parts.state.follow_ramp()
 
     def hook(self, name: str, **extra: Any) -> None:
         """Rank 0 decides with the policies; every rank applies the same plan. A peer's
         failure goes to the loop's recovery scope."""
-        job = self.job
+        parts = self.parts
         if not self.engine.active:
             return
         plan_text = ""
         snap = decisions = None
-        if job.world.rank == 0:
+        if parts.world.rank == 0:
             snap = self.snapshot()
             decisions = self.engine.decide(name, snap, **extra)
             if decisions:
-                plan_text = self.engine.plan(decisions, snap, job.world.cluster_version).to_json()
-        faults.point("plan", job.state.step)
-        plan_text = root_tells(plan_text or None, job.world, what="the plan's broadcast")
+                plan_text = self.engine.plan(decisions, snap, parts.world.cluster_version).to_json()
+        faults.point("plan", parts.state.step)
+        plan_text = root_tells(plan_text or None, parts.world, what="the plan's broadcast")
         if plan_text:
             self._apply_decided_plan(plan_text, snap, decisions)
 
     def _apply_decided_plan(self, plan_text: str, snap, decisions) -> None:
         """Every rank: the plan rank 0 broadcast, checked, recorded (rank 0) and applied."""
-        job = self.job
+        parts = self.parts
         plan = Plan.from_json(plan_text)
-        if plan.version != job.world.cluster_version:
+        if plan.version != parts.world.cluster_version:
             raise HpcAdaptError(f"a plan of cluster version {plan.version} reached version "
-                                f"{job.world.cluster_version}")
-        if job.world.rank == 0:
+                                f"{parts.world.cluster_version}")
+        if parts.world.rank == 0:
             # "lr" in the record and the log line is the rate the updates will use once the
             # decision's ramp (if any) is done (the user's rate now times the policies' new
             # factor), never the rule's reference.
             reference = plan.lr or (plan.ramp[3] if plan.ramp else snap.lr)
-            factor = job.state.rate_factor(reference)
-            user_rate = float(job.optimizer.optimizer.param_groups[0]["lr"])
-            applied = job.state.applied_rate(user_rate, reference)
+            factor = parts.state.rate_factor(reference)
+            user_rate = float(parts.optimizer.optimizer.param_groups[0]["lr"])
+            applied = parts.state.applied_rate(user_rate, reference)
             for d in plan.decisions:
                 changes = dict(d["changes"])
                 if "lr" in changes:
                     changes.update(lr=applied, lr_factor=factor)
                 self.recorder.write(DecisionRecord(
                     step=snap.step, epoch=snap.epoch, policy=d["policy"], changes=changes,
-                    reason=d["reason"], metrics=d["metrics"], world_size=job.world.size,
+                    reason=d["reason"], metrics=d["metrics"], world_size=parts.world.size,
                     batch_size=plan.batch_size or snap.batch_size, lr=applied,
                     lr_factor=factor))
                 log.info("decision at step %d by %s: %s (%s)", snap.step, d["policy"],
                          _readable(changes), d["reason"])
-        if job.world.rank == 0:
+        if parts.world.rank == 0:
             self.engine.told(decisions, snap)
         # The policies' state after a decision goes to every rank (one small broadcast per
         # decision, in the world that decided, before a resize changes it): a worker that
         # becomes the coordinator (rank 0 died) then holds it as of the last decision, so no
         # decision already applied is taken again.
-        state = root_tells(self.engine.state_dict() if job.world.rank == 0 else None,
-                           job.world, what="the policies' state")
-        if job.world.rank != 0:
+        state = root_tells(self.engine.state_dict() if parts.world.rank == 0 else None,
+                           parts.world, what="the policies' state")
+        if parts.world.rank != 0:
             self.engine.load_state_dict(state)
         self.apply_plan(plan)
 
     def apply_plan(self, plan: Plan) -> None:
         """The hyper-parameters change together; then a resize, if asked for."""
-        job = self.job
-        h = job.state.hyper
+        parts = self.parts
+        h = parts.state.hyper
         new = replace(h)
         if plan.batch_size is not None:
             new.batch_size = plan.batch_size
@@ -148,7 +150,7 @@ class Adaptation:
             new.ramp = tuple(plan.ramp)
             if plan.ramp[1] == 0:
                 new.lr, new.ramp = plan.ramp[3], None
-        job.state.set_hyper(new)
+        parts.state.set_hyper(new)
         if plan.momentum is not None:
             self._apply_momentum(plan.momentum)
         if plan.strategy is not None:
@@ -156,7 +158,7 @@ class Adaptation:
             self.switch_strategy(Strategy.from_dict(plan.strategy), plan.reason or "policy")
         if plan.topology is not None:
             self.switch_topology(plan.topology, plan.reason or "policy")
-        if plan.world_size is not None and plan.world_size != job.world.size:
+        if plan.world_size is not None and plan.world_size != parts.world.size:
             self.request_resize(plan.world_size, plan.reason or "policy",
                                 remove=[plan.remove_rank] if plan.remove_rank is not None
                                 else None)
@@ -168,24 +170,24 @@ class Adaptation:
         the cluster version goes up."""
         from hpcadapt.comm.topology import parse_topology
 
-        job = self.job
+        parts = self.parts
         name = parse_topology(topology).value
-        st = job.state
+        st = parts.state
         if name == st.topology:
             return
-        if job.optimizer.data_plane == "nccl":
-            if job.world.rank == 0:
+        if parts.optimizer.data_plane == "nccl":
+            if parts.world.rank == 0:
                 log.warning("allreduce topology %s not applied (%s): the gradients travel "
                             "over NCCL, which routes them itself", name, reason)
             return
-        old, version = st.topology, job.world.cluster_version
+        old, version = st.topology, parts.world.cluster_version
         st.switch_topology(name)
-        job.world.bump_version()
-        if job.world.rank == 0:
+        parts.world.bump_version()
+        if parts.world.rank == 0:
             log.info("allreduce topology %s -> %s at step %d (%s)", old, name, st.step, reason)
         self.recorder.write(TopologyRecord(step=st.step, epoch=st.epoch, from_=old, to=name,
                                            reason=reason, previous_cluster_version=version,
-                                           cluster_version=job.world.cluster_version))
+                                           cluster_version=parts.world.cluster_version))
 
     def switch_strategy(self, new: Strategy, reason: str) -> None:
         """Every rank, at a step boundary. Into S-SGD or bounded delay from model averaging
@@ -196,72 +198,72 @@ class Adaptation:
         dropped and the old strategy kept (the cluster version went up)."""
         from hpcadapt.parallel.broadcasts import broadcast_optimizer_state, broadcast_parameters
 
-        job = self.job
-        st = job.state
+        parts = self.parts
+        st = parts.state
         old = st.strategy
         if new == old:
             return
-        version = job.world.cluster_version
+        version = parts.world.cluster_version
         identical = None
         t0 = time.perf_counter()
         # Into ssgd, or into bounded delay (which starts from rank 0's model), from a
         # strategy whose replicas drift apart: the replicas become one (their average).
         into_one = new.averages_gradients or new.asynchronous
         drifting = not (old.averages_gradients or old.asynchronous)
-        if into_one and drifting and job.world.size > 1:
+        if into_one and drifting and parts.world.size > 1:
             try:
-                job.optimizer.average_models()
-                broadcast_parameters(list(job.model.parameters()) + list(job.model.buffers()),
-                                     root=0, world=job.world)
-                broadcast_optimizer_state(job.optimizer.optimizer, root=0, world=job.world)
+                parts.optimizer.average_models()
+                broadcast_parameters(list(parts.model.parameters()) + list(parts.model.buffers()),
+                                     root=0, world=parts.world)
+                broadcast_optimizer_state(parts.optimizer.optimizer, root=0, world=parts.world)
             except world_mod.FAILURES:
                 # (rank 0 of the world that switched; if it is the one that died, the
                 # recovery's line alone says what happened)
-                if job.world.rank == 0:
+                if parts.world.rank == 0:
                     log.error("strategy switch %s -> %s discarded (a peer died in it); "
                               "training goes on with %s after the recovery", old.name,
                               new.name, old.describe())
                 raise
             identical = self.check_replicas()
-        elif old.asynchronous and job.world.size > 1:
+        elif old.asynchronous and parts.world.size > 1:
             # out of bounded delay: only rank 0's optimizer stepped (the models are rank
             # 0's since the round's end); its state goes to every rank
-            broadcast_optimizer_state(job.optimizer.optimizer, root=0, world=job.world)
+            broadcast_optimizer_state(parts.optimizer.optimizer, root=0, world=parts.world)
             identical = self.check_replicas()
         st.switch_strategy(new)
-        job.world.bump_version()
-        if job.world.rank == 0:
+        parts.world.bump_version()
+        if parts.world.rank == 0:
             log.info("strategy %s -> %s at step %d (%s)", old.describe(), new.describe(),
                      st.step, reason)
         self.recorder.write(StrategyRecord(step=st.step, epoch=st.epoch, from_=old.to_dict(),
                                            to=new.to_dict(), reason=reason,
                                            previous_cluster_version=version,
-                                           cluster_version=job.world.cluster_version,
+                                           cluster_version=parts.world.cluster_version,
                                            switch_s=time.perf_counter() - t0,
                                            replicas_identical=identical))
 
     def _apply_momentum(self, momentum: float) -> None:
         """The plan's momentum into every param group that has one (SGD's)."""
-        job = self.job
+        parts = self.parts
         applied = False
-        for group in job.optimizer.param_groups:
+        for group in parts.optimizer.param_groups:
             if "momentum" in group:
                 group["momentum"] = momentum
                 applied = True
-        if not applied and job.world.rank == 0:
+        if not applied and parts.world.rank == 0:
             log.warning("momentum %.3g not applied: the optimizer (%s) has no SGD momentum "
                         "(Adam's betas are left as they are)", momentum,
-                        type(job.optimizer.optimizer).__name__)
+                        type(parts.optimizer.optimizer).__name__)
 
 
 def _readable(changes: dict) -> str:
     """A decision's changes for the log line: ``batch_size 64, lr 0.00123 (factor x1.41)``."""
-    parts = []
+    shown = []
     for key, value in changes.items():
         if key == "lr_factor":
             continue
         if key == "lr" and "lr_factor" in changes:
-            parts.append(f"lr {value:.3g} (factor x{changes['lr_factor']:.3g} on your rate)")
+            shown.append(f"lr {value:.3g} (factor x{changes['lr_factor']:.3g} on your rate)")
         else:
-            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
-    return ", ".join(parts)
+            shown.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+    return ", ".join(shown)

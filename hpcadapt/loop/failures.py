@@ -23,6 +23,7 @@ from hpcadapt.base import agent_files as agent, config, faults
 from hpcadapt.base.metrics import RecoveryRecord
 from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.world import CommView
+from hpcadapt.loop.parts import JobParts
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.adapt.engine import PolicyEngine
 
@@ -64,10 +65,10 @@ class Failures:
     recorder, the policy engine, the membership's part (``RecoveryMembership``), the step
     runner's ``roll_back`` and ``fail``, which ends the job (``Stops.fail``)."""
 
-    def __init__(self, job, recorder: Recorder, engine: PolicyEngine,
+    def __init__(self, parts: JobParts, recorder: Recorder, engine: PolicyEngine,
                  fail: Callable[[BaseException], NoReturn], membership: RecoveryMembership,
                  roll_back: Callable[[], int]):
-        self.job = job
+        self.parts = parts
         self.recorder = recorder
         self.engine = engine   # the policies' state, sent to survivors that lack it
         self.fail = fail       # ends the job, state saved (Stops.fail)
@@ -86,8 +87,8 @@ class Failures:
     def recoverable(self) -> bool:
         """Whether a peer's death can be survived here (then each step keeps what it may
         change, to undo it): more than one worker now, or workers that may join."""
-        job = self.job
-        return job.options.failures.on_failure == "recover" and (job.world.size > 1
+        parts = self.parts
+        return parts.options.failures.on_failure == "recover" and (parts.world.size > 1
                                                                  or self.membership.may_grow())
 
     def recover(self, exc: BaseException, *, holds_state: bool,
@@ -106,13 +107,13 @@ class Failures:
         formed: ``earlier`` carries what the first attempt knew."""
         from hpcadapt.elastic import recovery
 
-        job = self.job
-        o, st = job.options, job.state
+        parts = self.parts
+        o, st = parts.options, parts.state
         exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         if o.failures.on_failure != "recover" or exc.cause not in ("dead", "notice"):
             self.fail(exc)
         if earlier is None:
-            earlier = _RecoveryStart(time.perf_counter(), job.world)
+            earlier = _RecoveryStart(time.perf_counter(), parts.world)
         t0, old_size, version = earlier.t0, earlier.old_size, earlier.version
         shrunk = None
 
@@ -123,9 +124,9 @@ class Failures:
             faults.point("recovery", st.step)  # a second death, during the recovery
             if world_mod.ULFM:
                 with world_mod.Watchdog(o.failures.peer_timeout, "the shrink", expire):
-                    agreement, shrunk = recovery.shrink(job.world)
+                    agreement, shrunk = recovery.shrink(parts.world)
             else:
-                agreement = recovery.agree(job.world, [exc.rank] if exc.rank >= 0 else [],
+                agreement = recovery.agree(parts.world, [exc.rank] if exc.rank >= 0 else [],
                                            o.failures.peer_timeout)
         except world_mod.FAILURES as again:
             self.fail(world_mod.as_failure(again, "the recovery"))
@@ -149,22 +150,22 @@ class Failures:
         with world_mod.Watchdog(o.failures.peer_timeout, "the recovery", expire):
             try:
                 comm = shrunk if shrunk is not None else \
-                    recovery.form_world(job.world.comm, agreement.survivors)
+                    recovery.form_world(parts.world.comm, agreement.survivors)
                 t_formed = time.perf_counter()
-                job.world.abandon()
-                job.optimizer.abandon_in_flight()
+                parts.world.abandon()
+                parts.optimizer.abandon_in_flight()
                 faults.point("formation", st.step)  # a death after the shrink
-                job.world.replace(comm)
-                if 0 in agreement.dead and job.world.rank == 0:
+                parts.world.replace(comm)
+                if 0 in agreement.dead and parts.world.rank == 0:
                     self._take_coordinator_role()
                 root, same = self._survey_survivors(holds_state)
                 t_surveyed = time.perf_counter()
                 if not same:
                     engine = self.engine
-                    policy_state = engine.state_dict() if job.world.rank == 0 else None
-                    view = CommView(job.world.comm, job.world.cluster_version,
-                                    job.world.watch)
-                    st.broadcast(view, is_root=job.world.rank == root, root=root)
+                    policy_state = engine.state_dict() if parts.world.rank == 0 else None
+                    view = CommView(parts.world.comm, parts.world.cluster_version,
+                                    parts.world.watch)
+                    st.broadcast(view, is_root=parts.world.rank == root, root=root)
                     if policy_state is not None:
                         engine.load_state_dict(policy_state)  # rank 0's decide
             except world_mod.FAILURES as again:
@@ -184,12 +185,12 @@ class Failures:
         self.recorder.write(RecoveryRecord(
             dead=list(agreement.dead), dead_pids=dead_pids, rank=agreement.dead[0],
             cause=exc.cause, detail=str(exc), step=st.step, step_in_flight=rolled_from,
-            epoch=st.epoch, old_size=old_size, world_size=job.world.size,
+            epoch=st.epoch, old_size=old_size, world_size=parts.world.size,
             detected_unix=exc.detected_at, recovered_unix=recovered, waited_s=exc.waited_s,
-            recovery_s=recovered - exc.detected_at, cluster_version=job.world.cluster_version,
+            recovery_s=recovered - exc.detected_at, cluster_version=parts.world.cluster_version,
             previous_cluster_version=version, **phases))
         self.restart_pending = True
-        return Recovered(tuple(agreement.dead), old_size, job.world.size, t0, str(exc))
+        return Recovered(tuple(agreement.dead), old_size, parts.world.size, t0, str(exc))
 
     def coordinator_may_move(self) -> bool:
         """Rank 0's role can move where an agent waits for every worker: under
@@ -211,8 +212,8 @@ class Failures:
         reached every rank with the last applied decision; what is lost are the counters
         that moved since (cooldowns, probes: rank 0 alone held them). Every decision already
         applied (batch, rate, size) is in the training state that all ranks hold."""
-        job = self.job
-        self.recorder.take_over(job.options.recording.metrics_file)
+        parts = self.parts
+        self.recorder.take_over(parts.options.recording.metrics_file)
         self.membership.own_the_end()  # a joiner no longer: it owns the checkpoint and the end
         agent.record_coordinator()
         log.warning("rank 0 died: this worker (pid %d) is the coordinator now (metrics "
@@ -226,7 +227,7 @@ class Failures:
         steps mean equal weights under S-SGD (every rank applied the same updates; under
         model averaging the replicas differ by design), so equal fingerprints need no state
         broadcast."""
-        st, world = self.job.state, self.job.world
+        st, world = self.parts.state, self.parts.world
         plain = json.dumps([st.epoch, st.sampler.cursor, asdict(st.hyper),
                             st.strategy.to_dict(), st.topology], sort_keys=True, default=str)
         # A joiner that has no state yet (a death during its join) counts as step -1.

@@ -1,11 +1,11 @@
 """The job's side of membership changes: resizes asked for, shrinks, grows polled and completed
 at a boundary, a joiner's join, a leaver's exit.
 
-``Resizing`` is the Job's collaborator for them and owns what they change: whether
-this process started as a joiner, the elastic controller and its allocator, the resizes done;
-a join and a shrink move the job's phase (``loop.phase``: holding the state, left). It reads the job's other parts
-(options, world, state, optimizer, step runner, monitoring, recorder, stops) and assigns
-none of the Job's attributes."""
+``Resizing`` is the Job's collaborator for them and owns what they change: whether this
+process started as a joiner, the elastic controller and its allocator, the resizes done; a
+join and a shrink move the job's phase (``loop.phase``: holding the state, left). It reads
+the job's parts (``loop.parts.JobParts``: options, world, state, optimizer) and reaches the
+other collaborators only through what it is handed (the recorder, callables)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.comm.world import CommView
 from hpcadapt.elastic.allocator import LocalAllocator
+from hpcadapt.loop.parts import JobParts
 from hpcadapt.loop.phase import JobPhase
 from hpcadapt.loop.setup_checks import say_once
 from hpcadapt.loop.recording import Recorder
@@ -44,13 +45,14 @@ class Resizing:
     marks ``hpcadapt.base.config`` takes from the environment): to join a running job
     through a port's folder, spawned by Open MPI's grow, or as a warm spare of that rank 0."""
 
-    def __init__(self, job, recorder: Recorder, phase: JobPhase, *,
+    def __init__(self, parts: JobParts, recorder: Recorder, phase: JobPhase, *,
                  fail: Callable[[BaseException], NoReturn],
                  check_replicas: Callable[[], Optional[bool]],
                  queue_hook: Callable[..., None], close_loader: Callable[[], None],
                  resized: Callable[[], None],
+                 recovery_scope: Callable[[], Any],
                  join_dir: Optional[str], spawned_to_join: bool, spare_of: Optional[str]):
-        self.job = job
+        self.parts = parts
         self.recorder = recorder
         self.phase = phase     # the job's life: a join and a shrink move it
         self.fail = fail       # ends the job, state saved (Stops.fail)
@@ -58,6 +60,7 @@ class Resizing:
         self.queue_hook = queue_hook      # the policies' on_resize, at the next boundary
         self.close_loader = close_loader  # a leaving worker's loader workers (Stops')
         self.resized = resized            # the step runner's per-rank times reset
+        self.recovery_scope = recovery_scope  # where a death in a join is recovered (Job's)
         self.join_dir, self.spawned_to_join, self.spare_of = join_dir, spawned_to_join, spare_of
         #: a worker started to join a running job, until it has joined (or, after a
         #: recovery, took rank 0's role: then it owns the checkpoint and the end)
@@ -73,15 +76,15 @@ class Resizing:
     # the job's parts this one reads most (the same objects through every resize)
     @property
     def world(self):
-        return self.job.world
+        return self.parts.world
 
     @property
     def state(self):
-        return self.job.state
+        return self.parts.state
 
     @property
     def options(self) -> JobOptions:
-        return self.job.options
+        return self.parts.options
 
     def listen_early(self) -> None:
         """A joiner the job spawned (not a warm spare), once its MPI started: it hears the
@@ -205,7 +208,7 @@ class Resizing:
                                                    "allocator that starts them)"))
         self.request_resize(count, reason)
         while self.elastic.growing:
-            with self.job.recovery_scope():
+            with self.recovery_scope():
                 self.poll()
             time.sleep(0.02)
 
@@ -272,7 +275,7 @@ class Resizing:
             previous, merged = self.world.comm, None
             # ULFM: a death during the join is recovered from here, the joiners with the
             # job once they merged (see _record_death_during_join).
-            with self.job.recovery_scope() as scope:
+            with self.recovery_scope() as scope:
                 try:
                     # What cannot be polled between the joiner's first word and the
                     # confirmation (Create_intercomm, Merge) runs under a watchdog.
@@ -303,7 +306,7 @@ class Resizing:
                     # the ranks that trained on (their state is untouched); the merged
                     # communicator is left unfreed (freeing it would wait on the dead).
                     self.world.replace(previous, version=version, keep_old=True)
-                    self.job.optimizer.ensure_current()
+                    self.parts.optimizer.ensure_current()
                     if self.world.rank == 0:
                         for w in workers:
                             w.stop()
@@ -473,7 +476,7 @@ class Resizing:
             sys.exit(0)
         # A death during the join (ULFM): this worker recovers with the merged world and
         # takes the state from a survivor that holds it.
-        with self.job.recovery_scope() as scope:
+        with self.recovery_scope() as scope:
             try:
                 with world_mod.Watchdog(self.options.failures.peer_timeout, "joining the job",
                                         _give_up_join):
@@ -529,8 +532,8 @@ class Resizing:
                       decided_at: float = float("nan")) -> None:
         """Every rank of the new world: rebuild what depends on the size, record the resize,
         and queue the policies' ``on_resize`` for the next boundary."""
-        self.job.optimizer.set_extra_slots(ControlLayout(self.slot_ranks()).length)
-        self.job.optimizer.ensure_current()
+        self.parts.optimizer.set_extra_slots(ControlLayout(self.slot_ranks()).length)
+        self.parts.optimizer.ensure_current()
         self.identical_after_resize = None
         # Under model averaging the replicas differ by design: nothing to compare. Under
         # bounded delay they are rank 0's between rounds (a round given up by a recovery
@@ -565,7 +568,7 @@ class Resizing:
             new_size=outcome.new_size, reason=outcome.reason, pause_s=outcome.pause_s,
             ok=outcome.ok, cluster_version=self.world.cluster_version,
             world_size=self.world.size, batch_size=st.hyper.batch_size,
-            lr=st.applied_rate(float(self.job.optimizer.optimizer.param_groups[0]["lr"])),
+            lr=st.applied_rate(float(self.parts.optimizer.optimizer.param_groups[0]["lr"])),
             decision_to_first_step_s=outcome.decision_to_first_step_s,
             replicas_identical=self.identical_after_resize if outcome.ok else None,
             pids=list(self.world.pids) if outcome.ok else None))

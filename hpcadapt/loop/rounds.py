@@ -10,7 +10,7 @@ import logging
 
 import os
 import time
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from hpcadapt.comm.collectives import ReduceOp
 from hpcadapt.data.loader import split_micro
 from hpcadapt.base.metrics import BoundedDelayRecord
 from hpcadapt.state.training import rates_scaled
+from hpcadapt.loop.parts import JobParts
 from hpcadapt.loop.recording import Recorder
 
 __all__ = ["BoundedDelayRounds"]
@@ -33,8 +34,10 @@ class BoundedDelayRounds:
     ranks train on the batches it hands them; a round commits as ``ceil(samples / B)``
     steps."""
 
-    def __init__(self, job, steps, recorder: Recorder):
-        self.job = job
+    def __init__(self, parts: JobParts, steps, recorder: Recorder, *,
+                 restart_pending: Callable[[], bool]):
+        self.parts = parts
+        self.restart_pending = restart_pending  # a recovery in job.step asked for a restart
         self.recorder = recorder
         self.steps = steps
         self.totals: Dict[str, Any] = {}  # rank 0: the rounds so far, for the summary
@@ -50,16 +53,16 @@ class BoundedDelayRounds:
         from hpcadapt.comm.collectives import MPICommunicator
         from hpcadapt.parallel.broadcasts import broadcast_parameters
 
-        job, steps = self.job, self.steps
-        st, o, world = job.state, job.options, job.world
+        parts, steps = self.parts, self.steps
+        st, o, world = parts.state, parts.options, parts.world
         strategy, batch = st.strategy, st.hyper.batch_size
         steps.begin_round()
         count = min(strategy.round_steps * batch, st.sampler.remaining)
         if o.steps.max_steps is not None:  # the round ends where --max-steps does
             count = min(count, max(1, o.steps.max_steps - st.step) * batch)
         n_steps = -(-count // batch)
-        flat = FlatModel(job.model)
-        tensors = list(job.model.parameters()) + list(job.model.buffers())
+        flat = FlatModel(parts.model)
+        tensors = list(parts.model.parameters()) + list(parts.model.buffers())
         report = None
         try:
             broadcast_parameters(tensors, root=0, world=world)  # version 0 everywhere
@@ -77,7 +80,7 @@ class BoundedDelayRounds:
                     if work is None:
                         break
                     yield from self._worker_batch(worker, work)
-                    if job.restart_pending:
+                    if self.restart_pending():
                         # job.step recovered from a failure of this worker's send: the
                         # loop's scope trains the round again from the agreed state
                         return 0
@@ -96,33 +99,33 @@ class BoundedDelayRounds:
     def _worker_batch(self, worker, work) -> Iterator[Any]:
         """A worker's batch of a round: the (micro-)batches to yield; ``step(loss)`` after
         the last sends the gradient to the aggregator."""
-        job = self.job
-        micro = split_micro(work.indices, job.options.steps.max_local_batch)
-        for p in job.model.parameters():
+        parts = self.parts
+        micro = split_micro(work.indices, parts.options.steps.max_local_batch)
+        for p in parts.model.parameters():
             p.grad = None
         t0 = time.perf_counter()
 
         def send(clip_grad_norm: Optional[float], loss_sum: float) -> None:
-            faults.point("gradient", job.state.step)  # before the update leaves
+            faults.point("gradient", parts.state.step)  # before the update leaves
             if clip_grad_norm is not None:  # each update's gradient, as each step's
-                torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
+                torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip_grad_norm)
             compute = time.perf_counter() - t0
             self.steps.note_compute(compute)
             worker.send_update(work.batch_id, len(work.indices), loss_sum, compute)
 
         # --slow-compute: the rank's straggling, as in synchronous steps
         self.steps.open_step(send)
-        yield from self.steps.yield_micro(micro, len(work.indices), job.loader.load)
+        yield from self.steps.yield_micro(micro, len(work.indices), parts.loader.load)
 
     def _apply_update(self, samples: int, batch: int, step: int) -> None:
         """The aggregator's application of ``samples`` samples' aggregated gradient (set
         in ``.grad``) as part of global batch ``step``: the job's optimizer at that step's
         rate (a ramp moves it within a round) scaled by samples / batch."""
-        job = self.job
-        inner = job.optimizer.optimizer
-        h = job.state.hyper
+        parts = self.parts
+        inner = parts.optimizer.optimizer
+        h = parts.state.hyper
         rate = h.lr_at(step) if h.ramp is not None else h.lr
-        with rates_scaled(inner, rate / job.state.origin["lr"] * samples / batch):
+        with rates_scaled(inner, rate / parts.state.origin["lr"] * samples / batch):
             inner.step()
 
     def _round_control(self, report) -> np.ndarray:
@@ -142,7 +145,7 @@ class BoundedDelayRounds:
                                 wait_s=max(0.0, per_update - compute),
                                 samples=report.trained.get(w, 0))
             values[layout.slot(layout.STEP, 0)] = report.round_s / max(report.applications, 1)
-            stop_file = self.job.options.stops.stop_file
+            stop_file = self.parts.options.stops.stop_file
             values[layout.STOP_FILE] = 1.0 if stop_file and os.path.exists(stop_file) else 0.0
             values[layout.NONFINITE_UPDATES] = report.nonfinite_updates
         values[layout.STOP_SIGNAL] = 1.0 if self.steps.stop_signal_received() else 0.0
@@ -151,8 +154,8 @@ class BoundedDelayRounds:
     def _record_round(self, report, step0: int, steps: int) -> None:
         """Rank 0: the round's line in the metrics (updates applied and dropped, delays),
         the job's totals, and the samples each applied update trained on."""
-        job = self.job
-        st, world = job.state, job.world
+        parts = self.parts
+        st, world = parts.state, parts.world
         if report.nonfinite_updates:
             log.warning("steps %d-%d: %d update(s) with a non-finite loss or gradient skipped "
                         "(their samples count as used)", step0, st.step - 1,

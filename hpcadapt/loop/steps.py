@@ -26,6 +26,7 @@ from hpcadapt.base import faults
 from hpcadapt.base.errors import ConfigurationError, on_every_rank
 from hpcadapt.comm import world as world_mod
 from hpcadapt.data.loader import WalkKey, split_micro
+from hpcadapt.loop.parts import JobParts
 from hpcadapt.loop.rounds import BoundedDelayRounds
 from hpcadapt.adapt.control import ControlLayout, StepReport, StepTimes
 from hpcadapt.parallel.optimizer import GradientStats
@@ -57,13 +58,13 @@ class StepRunner:
     """The synchronous step and what it leaves for the boundary; the bounded-delay rounds
     (``loop/rounds.py``) use its step-in-flight, control and commit parts."""
 
-    def __init__(self, job, recorder: Recorder, engine: PolicyEngine,
+    def __init__(self, parts: JobParts, recorder: Recorder, engine: PolicyEngine,
                  signals: Optional[StopSignals], monitor: Monitoring, *,
                  follow_ramp: Callable[[], None], recoverable: Callable[[], bool],
-                 slot_ranks: Callable[[], int]):
+                 slot_ranks: Callable[[], int], restart_pending: Callable[[], bool]):
         #: inside job.epochs()' loop body (a loader pass outside it is refused once done)
         self.in_epochs = False
-        self.job = job
+        self.parts = parts
         self.recorder = recorder
         self.engine = engine     # its rate rule (adascale's gain is measured in the step)
         self.signals = signals   # a stop signal received: voted on in the step's control values
@@ -72,7 +73,7 @@ class StepRunner:
         self.recoverable = recoverable   # whether a death is survived: keep what to undo
         self.slot_ranks = slot_ranks     # the control values' room: the most ranks (membership)
         #: bounded delay's rounds, driven through this runner's methods
-        self.rounds = BoundedDelayRounds(job, self, recorder)
+        self.rounds = BoundedDelayRounds(parts, self, recorder, restart_pending=restart_pending)
         self.open = False            # a step (worker batch) whose job.step calls are due
         # The state the step (round) in flight may change, as of its start (rollback.py):
         # a recovery undoes the uncommitted step with it. None once the step commits.
@@ -112,32 +113,32 @@ class StepRunner:
         ``weights``: the parameters too, and on rank 0 the optimizer's state (a
         bounded-delay round applies updates before it commits; only the aggregator, rank
         0, steps the optimizer in it)."""
-        job = self.job
+        parts = self.parts
         if self.recoverable():
-            self.in_flight = StepCommit.take(job.state.step, job.extra,
-                                             job.optimizer.optimizer, job.model,
+            self.in_flight = StepCommit.take(parts.state.step, parts.extra,
+                                             parts.optimizer.optimizer, parts.model,
                                              user=batches > 1, weights=weights,
-                                             optimizer_state=weights and job.world.rank == 0)
+                                             optimizer_state=weights and parts.world.rank == 0)
 
     def roll_back(self) -> int:
         """A recovery: the step in flight is given up, this rank goes back to its last
         commit (before the survivors compare states). Returns the step it was at."""
-        job = self.job
+        parts = self.parts
         if self.in_flight is not None:
-            self.in_flight.restore(job.extra, job.optimizer.optimizer, job.model)
+            self.in_flight.restore(parts.extra, parts.optimizer.optimizer, parts.model)
             self.in_flight = None
-        return job.state.step
+        return parts.state.step
 
     def recovered(self, given_up: bool) -> None:
         """After a recovery, on the agreed state: the next step starts afresh (its loader
         walk too); ``given_up``: the loop body after the failed ``job.step`` ran for a step
         given up, so it is undone at the next batch (``undo_user_code_of_given_up_step``)."""
-        job = self.job
+        parts = self.parts
         self._walk = None
         self.open = False
         if given_up:
-            self.undo_at_next_batch = StepCommit.take(job.state.step, job.extra,
-                                                      job.optimizer.optimizer, job.model)
+            self.undo_at_next_batch = StepCommit.take(parts.state.step, parts.extra,
+                                                      parts.optimizer.optimizer, parts.model)
 
     def undo_user_code_of_given_up_step(self) -> None:
         """The loop's next batch after a recovery inside ``job.step``: whatever the user's
@@ -145,8 +146,8 @@ class StepRunner:
         rates, buffers, random generator) goes back to the state the survivors agreed on,
         so that each committed step reaches the user's code once."""
         if self.undo_at_next_batch is not None:
-            job = self.job
-            self.undo_at_next_batch.restore(job.extra, job.optimizer.optimizer, job.model)
+            parts = self.parts
+            self.undo_at_next_batch.restore(parts.extra, parts.optimizer.optimizer, parts.model)
             self.undo_at_next_batch = None
 
     def resized(self) -> None:
@@ -164,7 +165,7 @@ class StepRunner:
             outcome = self._finish_step()
             if outcome.failure is not None:
                 raise outcome.failure
-        yield from self.yield_micro(micro, len(part.indices), self.job.loader.next_batch)
+        yield from self.yield_micro(micro, len(part.indices), self.parts.loader.next_batch)
         return part.global_count
 
     def yield_micro(self, micro, total: int, load) -> Iterator[Any]:
@@ -201,9 +202,9 @@ class StepRunner:
         self.keep_in_flight(batches=2, weights=True)
 
     def _begin_step(self):
-        job = self.job
-        st = job.state
-        world = job.world
+        parts = self.parts
+        st = parts.state
+        world = parts.world
         self._t_start = time.perf_counter()
         self.follow_ramp()
         part = st.sampler.peek(st.hyper.batch_size, world.rank, world.size)
@@ -213,11 +214,11 @@ class StepRunner:
         self.keep_in_flight(len(micro))
         key = WalkKey(st.epoch, st.hyper.batch_size, world.rank, world.size, cap)
         if key != self._walk or self._walk_cursor != st.sampler.cursor:
-            job.loader.restart(key, st.sampler.cursor)
+            parts.loader.restart(key, st.sampler.cursor)
             self._walk = key
         self._walk_cursor = st.sampler.cursor + part.global_count
         self.part = part
-        opt = job.optimizer
+        opt = parts.optimizer
         cfg = self.monitor.config
         self.monitored = cfg.enabled and (st.step + 1) % cfg.interval == 0
         opt.track_grad_norms = self.monitored and world.size > 1
@@ -244,10 +245,10 @@ class StepRunner:
         with a gradient monitor on, half the batch: the two accumulation passes are the two
         replicas of the noise-scale estimator (``hpcadapt.adapt.monitors.SplitStep``). Every
         step is split then, monitored or not, so that the loader's walk stays one walk."""
-        job = self.job
-        cap = job.options.steps.max_local_batch
+        parts = self.parts
+        cap = parts.options.steps.max_local_batch
         if self.monitor.split_is_on():
-            half = -(-job.state.hyper.batch_size // 2)
+            half = -(-parts.state.hyper.batch_size // 2)
             cap = half if cap is None else min(cap, half)
         return cap
 
@@ -256,7 +257,7 @@ class StepRunner:
         """A step's (a bounded-delay worker's batch's) ``job.step`` calls are due: its
         --slow-compute sleep, its loss sum from zero. ``send(clip_grad_norm, loss_sum)``:
         a bounded-delay worker's way to hand the update on after the last micro-batch."""
-        self._slept = self._slow_down(self.job.options.steps.slow_compute, self._own_compute)
+        self._slept = self._slow_down(self.parts.options.steps.slow_compute, self._own_compute)
         self.loss_sum = 0.0
         self._send = send
         self.open = True
@@ -274,14 +275,14 @@ class StepRunner:
              scaler: Optional[Any] = None) -> StepOutcome:
         """``job.step``: backward of ``loss``, and after the last micro-batch the exchange
         and the update (see ``Job.step``)."""
-        job = self.job
+        parts = self.parts
         if not self.open or self.micro_left <= 0:
             raise on_every_rank(ConfigurationError(
                 "job.step(loss) is called once per batch the loader "
                 "yields, inside `for batch in loader`"))
         if scaler is not None and not scaler.is_enabled():
             scaler = None
-        strategy = job.state.strategy
+        strategy = parts.state.strategy
         if scaler is not None and not strategy.averages_gradients:
             raise on_every_rank(ConfigurationError(
                 f"mixed precision with a GradScaler needs --strategy ssgd (under "
@@ -291,7 +292,7 @@ class StepRunner:
         scaled = loss * self._micro_share if self._micro_share != 1.0 else loss
         if self._send is not None:
             # bounded delay: the gradient stays local until it is sent to the aggregator
-            with job.optimizer.no_sync():
+            with parts.optimizer.no_sync():
                 scaled.backward()
             self.micro_left -= 1
             if self.micro_left == 0:
@@ -313,9 +314,9 @@ class StepRunner:
             self._stage_control()
             scaled.backward()
         else:
-            with job.optimizer.no_sync():
+            with parts.optimizer.no_sync():
                 scaled.backward()
-            if self.monitored and job.world.size == 1:
+            if self.monitored and parts.world.size == 1:
                 self.monitor.pass_done(self._micro_share)
         self.micro_left -= 1
         return self._finish_step(clip_grad_norm, scaler) if last else \
@@ -324,17 +325,17 @@ class StepRunner:
     def _finish_step(self, clip_grad_norm: Optional[float] = None,
                      scaler: Optional[Any] = None) -> StepOutcome:
         """The step's exchange and update."""
-        job = self.job
-        st, world = job.state, job.world
+        parts = self.parts
+        st, world = parts.state, parts.world
         t1 = time.perf_counter()
         try:
             faults.point("gradient", st.step)
-            stats = job.optimizer.synchronize()
+            stats = parts.optimizer.synchronize()
         except world_mod.FAILURES as exc:
             # In the user's code no exception may go: Job.step recovers, and the loop's
             # scope restarts the step when the loop asks for the next batch.
             return StepOutcome(committed=False, failure=exc, given_up=True)
-        self._slow_down(job.options.steps.slow_comm, time.perf_counter() - t1)  # --slow-comm
+        self._slow_down(parts.options.steps.slow_comm, time.perf_counter() - t1)  # --slow-comm
         t2 = time.perf_counter()
         self.read_control(stats.extras, self.part.global_count)
         # The global loss arrived with the gradients: every rank sees the same value, so all
@@ -343,7 +344,7 @@ class StepRunner:
         grads_finite = not (self.monitored and world.size > 1
                             and not math.isfinite(stats.global_sqnorm))
         finite = math.isfinite(self.last_loss) and (grads_finite or scaler is not None)
-        inner = job.optimizer.optimizer
+        inner = parts.optimizer.optimizer
         self._record_settings()
         if finite:
             self.nonfinite_run = 0
@@ -359,7 +360,7 @@ class StepRunner:
             if self.monitored and grads_finite:
                 self.monitor.update(stats, self.part.global_count, self.last_times)
             if clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(job.model.parameters(), clip_grad_norm)
+                torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip_grad_norm)
             with rates_scaled(inner, st.rate_factor()):
                 if scaler is None:
                     inner.step()
@@ -376,7 +377,7 @@ class StepRunner:
         self._commit(self.part.global_count, 1)  # a failure from here on redoes nothing
         if st.strategy.averages_after(st.step - 1) and world.size > 1:
             try:
-                job.optimizer.average_models()  # local SGD: the replicas become one
+                parts.optimizer.average_models()  # local SGD: the replicas become one
             except world_mod.FAILURES as exc:
                 # The step is done on every survivor; training goes on. Its times (the
                 # wait for the dead peer among them) are not the step's: left out.
@@ -393,7 +394,7 @@ class StepRunner:
     def commit_round(self, count: int, steps: int, control: np.ndarray) -> None:
         """A bounded-delay round's commit on every rank: ``count`` samples as ``steps``
         steps (equal shares), and the round's control values (loss, times, stop votes)."""
-        job = self.job
+        parts = self.parts
         self._record_settings()
         self._commit(count, steps)
         nonfinite_updates = self.read_control(control, count)
@@ -403,7 +404,7 @@ class StepRunner:
         self.nonfinite_run = 0 if math.isfinite(self.last_loss) else \
             self.nonfinite_run + max(1, nonfinite_updates)
         self.step_time = time.perf_counter() - self._t_start
-        job.world.watch.note_step(self.step_time / max(steps, 1))
+        parts.world.watch.note_step(self.step_time / max(steps, 1))
         self.last_count = count
 
     def report(self) -> StepReport:
@@ -415,21 +416,21 @@ class StepRunner:
 
     def last_rate(self) -> float:
         """The optimizer's rate at its last update (its rate now before the first)."""
-        used = self.used_settings or optimizer_settings(self.job.optimizer.optimizer)
+        used = self.used_settings or optimizer_settings(self.parts.optimizer.optimizer)
         return used["lr"]
 
     def _record_settings(self) -> None:
         """The optimizer's settings as the update applies them (the policies' factor on the
         user's rates), for the step's metrics line and the summary."""
-        inner = self.job.optimizer.optimizer
-        with rates_scaled(inner, self.job.state.rate_factor()):
+        inner = self.parts.optimizer.optimizer
+        with rates_scaled(inner, self.parts.state.rate_factor()):
             self.used_settings = optimizer_settings(inner)
 
     def _commit(self, count: int, steps: int) -> None:
         """``count`` samples committed as ``steps`` steps (a round's hold equal shares):
         the cursor, the step counter and the scale-invariant progress move; nothing is in
         flight any more."""
-        self.job.state.commit(count, steps, self.engine.lr_rule.rule == "adascale")
+        self.parts.state.commit(count, steps, self.engine.lr_rule.rule == "adascale")
         self.in_flight = None
 
     def _slow_down(self, factor: float, seconds: float) -> float:
@@ -437,11 +438,11 @@ class StepRunner:
         its compute (a sleep before forward, as long as (F - 1) x the last step's compute)
         or its communication (after the step's exchange), so that strategies can be
         compared against a straggler or a slow link on one machine (tests, benchmarks)."""
-        job = self.job
-        o = job.options
-        if o.steps.slow_until is not None and job.state.step >= o.steps.slow_until:
+        parts = self.parts
+        o = parts.options
+        if o.steps.slow_until is not None and parts.state.step >= o.steps.slow_until:
             return 0.0
-        if factor > 1.0 and o.steps.slow_rank == job.world.rank and seconds > 0:
+        if factor > 1.0 and o.steps.slow_rank == parts.world.rank and seconds > 0:
             time.sleep((factor - 1.0) * seconds)
             return (factor - 1.0) * seconds
         return 0.0
@@ -456,23 +457,23 @@ class StepRunner:
 
     def _stage_control(self) -> None:
         """This rank's control values, sent with the step's gradients."""
-        job = self.job
-        layout, rank = self.control_layout(), job.world.rank
+        parts = self.parts
+        layout, rank = self.control_layout(), parts.world.rank
         values = layout.zeros()
         values[layout.LOSS] = self.loss_sum
         step_t, compute_t, wait_t = self._prev_local
         layout.put_rank(values, rank, step_s=step_t, compute_s=compute_t, wait_s=wait_t,
                         samples=len(self.part.indices))
-        stop_file = job.options.stops.stop_file
+        stop_file = parts.options.stops.stop_file
         values[layout.STOP_FILE] = 1.0 if rank == 0 and stop_file and os.path.exists(stop_file) \
             else 0.0
         values[layout.STOP_SIGNAL] = 1.0 if self.stop_signal_received() else 0.0
-        job.optimizer.stage_extras(values)
+        parts.optimizer.stage_extras(values)
 
     def read_control(self, values: np.ndarray, global_count: int) -> int:
         """The step's (round's) agreed control values; returns the round's non-finite
         updates (bounded delay)."""
-        reading = self.control_layout().read(values, self.job.world.size, global_count)
+        reading = self.control_layout().read(values, self.parts.world.size, global_count)
         self.last_loss = reading.loss
         self.last_times = reading.times
         self.stop_requested = reading.stop_signal

@@ -26,6 +26,7 @@ from hpcadapt.comm.tell import root_tells
 from hpcadapt.data.loader import sweep_dead_worker_dirs
 from hpcadapt.state.lease import CheckpointLease
 from hpcadapt.state.training import checkpoint_step
+from hpcadapt.loop.parts import JobParts
 from hpcadapt.loop.phase import JobPhase
 from hpcadapt.loop.recording import Recorder
 
@@ -49,9 +50,10 @@ class Stops:
     cannot be recovered from, checkpoints (periodic and at a stop), the resume, and the end
     of the job (summary, exit code)."""
 
-    def __init__(self, job, recorder: Recorder, phase: JobPhase, membership: StopsMembership,
+    def __init__(self, parts: JobParts, recorder: Recorder, phase: JobPhase,
+                 membership: StopsMembership,
                  signals: Optional[StopSignals] = None):
-        self.job = job
+        self.parts = parts
         self.recorder = recorder
         self.phase = phase  # the job's life: a stop, the stop file move it
         self.membership = membership
@@ -71,85 +73,86 @@ class Stops:
     def finish_by_stop_file(self) -> None:
         """``--stop-file`` appeared: training ends at this boundary, as a finished run."""
         self.phase.finish("the stop file")
-        job = self.job
-        if job.world.rank == 0:
+        parts = self.parts
+        if parts.world.rank == 0:
             log.info("stop file %s found at step %d: training ends here",
-                     job.options.stops.stop_file, job.state.step)
+                     parts.options.stops.stop_file, parts.state.step)
 
     def resume(self, path: str) -> bool:
         """Every rank: rank 0 takes the path's lease (one job per checkpoint), reads ``path``
         if it exists, and the state is broadcast with the lease's token."""
-        job = self.job
+        parts = self.parts
         error, found, token = "", False, None
-        if job.world.rank == 0:
+        if parts.world.rank == 0:
             try:
                 token = CheckpointLease(path, job_id=config.slurm_job_id()).acquire()
             except ConfigurationError as exc:
                 error = str(exc)
-        if job.world.rank == 0 and not error and os.path.exists(path):
+        if parts.world.rank == 0 and not error and os.path.exists(path):
             found = True
             try:
-                job.state.load(path, identity=self.identity)
+                parts.state.load(path, identity=self.identity)
             except (OSError, ValueError, KeyError, RuntimeError, TypeError,
                     ConfigurationError) as exc:
                 error = (f"cannot resume from {path}: {exc}; remove it or pass another "
                          f"--checkpoint")
         verdict = root_tells({"error": error, "found": found, "token": token}
-                             if job.world.rank == 0 else None,
-                             job.world, what="the resume's verdict")
+                             if parts.world.rank == 0 else None,
+                             parts.world, what="the resume's verdict")
         self.lease_token = verdict["token"]
         if verdict["error"]:
             raise on_every_rank(ConfigurationError(verdict["error"]))
         if not verdict["found"]:
             return False
         self.membership.sync_state()
-        self.resumed_at = job.state.step
-        if job.world.rank == 0:
-            log.info("resumed from %s at epoch %d, step %d", path, job.state.epoch,
-                     job.state.step)
-            self.recorder.write(ResumeRecord(step=job.state.step, epoch=job.state.epoch,
-                                             world_size=job.world.size,
-                                             saved_world_size=job.state.world_size,
+        self.resumed_at = parts.state.step
+        if parts.world.rank == 0:
+            log.info("resumed from %s at epoch %d, step %d", path, parts.state.epoch,
+                     parts.state.step)
+            self.recorder.write(ResumeRecord(step=parts.state.step, epoch=parts.state.epoch,
+                                             world_size=parts.world.size,
+                                             saved_world_size=parts.state.world_size,
                                              checkpoint=path,
-                                             cluster_version=job.world.cluster_version))
-            flags = strategies.from_options(job.options.steps)
-            if job.state.strategy != flags:
+                                             cluster_version=parts.world.cluster_version))
+            flags = strategies.from_options(parts.options.steps)
+            if parts.state.strategy != flags:
                 log.warning("resumed with the checkpoint's strategy %s (the flags say %s: "
                             "the run had switched; a policy may switch again)",
-                            job.state.strategy.describe(), flags.describe())
-            if job.state.topology != job.options.comm.topology:
+                            parts.state.strategy.describe(), flags.describe())
+            if parts.state.topology != parts.options.comm.topology:
                 log.warning("resumed with the checkpoint's allreduce topology %s (the flags "
-                            "say %s: the run had switched)", job.state.topology,
-                            job.options.comm.topology)
+                            "say %s: the run had switched)", parts.state.topology,
+                            parts.options.comm.topology)
         return True
 
     def save_checkpoint(self, path: str) -> None:
         """Rank 0: write the whole training state to ``path`` atomically."""
-        job = self.job
-        job.state.save(path, cluster_version=job.world.cluster_version,
-                       identity=self.identity, world_size=job.world.size)
+        parts = self.parts
+        parts.state.save(path, cluster_version=parts.world.cluster_version,
+                       identity=self.identity, world_size=parts.world.size)
 
     def stop_for_signal(self) -> None:
         """Every rank, at the boundary where a stop signal became known: rank 0 saves."""
-        job = self.job
+        parts = self.parts
         name = (self.signals.received if self.signals and self.signals.received
                 else "a stop signal on another rank")
         self.phase.stop(name)
         saved = None
-        if job.world.rank == 0:
+        if parts.world.rank == 0:
             saved = self.save_for_stop(name)
             self.record_stop(name, saved, requeue=saved)
-        if not root_tells(saved, job.world, what="the stop's verdict"):
+        if not root_tells(saved, parts.world, what="the stop's verdict"):
             self.phase.not_saved()
 
     def record_stop(self, why: str, saved: bool, *, requeue: bool) -> None:
         """Rank 0: the stop's line in the metrics (plots mark it)."""
-        job = self.job
-        st = job.state
-        self.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=job.world.size,
+        parts = self.parts
+        st = parts.state
+        self.recorder.write(StopRecord(step=st.step, epoch=st.epoch, world_size=parts.world.size,
                                        signal=why, saved=saved,
-                                       checkpoint=job.options.stops.checkpoint if saved else None,
-                                       requeue=requeue, cluster_version=job.world.cluster_version))
+                                       checkpoint=parts.options.stops.checkpoint if saved else None,
+                                       requeue=requeue,
+                                       cluster_version=parts.world.cluster_version))
 
     def fail(self, exc: BaseException) -> None:
         """A peer died (or stayed silent past the deadline) in the middle of a step or a
@@ -158,37 +161,37 @@ class Stops:
         the last committed state (the step in flight has changed nothing yet: the optimizer
         has not stepped, the cursor not moved) to --checkpoint, and every survivor exits
         with 75 so that the job script requeues and resumes from it. Never returns."""
-        job = self.job
-        st = job.state
+        parts = self.parts
+        st = parts.state
         exc = world_mod.as_failure(exc)  # under ULFM an MPI error is the failure
         detected = time.time()
         who = f"rank {exc.rank}" if exc.rank >= 0 else "a peer"
         log.error("%s of %d failed at step %d (%s); detected at %s: ending the job", who,
-                  job.world.size, st.step if st else 0, exc,
+                  parts.world.size, st.step if st else 0, exc,
                   time.strftime("%H:%M:%S", time.localtime(detected)) +
                   f".{int(detected * 1000) % 1000:03d}")
         code = EXIT_REQUEUE
-        if job.world.rank == 0 and st is not None:
+        if parts.world.rank == 0 and st is not None:
             self.recorder.write(FailureRecord(rank=exc.rank, cause=exc.cause, detail=str(exc),
                                               step=st.step, epoch=st.epoch,
-                                              world_size=job.world.size, detected_unix=detected,
+                                              world_size=parts.world.size, detected_unix=detected,
                                               waited_s=exc.waited_s,
-                                              cluster_version=job.world.cluster_version))
+                                              cluster_version=parts.world.cluster_version))
             saved = False
-            if job.options.stops.checkpoint and self.membership.owns_the_end():
+            if parts.options.stops.checkpoint and self.membership.owns_the_end():
                 self.phase.stop("peer failure")
                 saved = self.save_for_stop(f"the failure of {who}")
                 if not saved:
                     code = 1
             else:
                 log.error("nothing saved (%s): the state of step %d is lost; exit %d",
-                          "no --checkpoint" if not job.options.stops.checkpoint else
+                          "no --checkpoint" if not parts.options.stops.checkpoint else
                           "a joined worker does not save", st.step, code)
             self.record_stop(f"the failure of {who}", saved, requeue=code == EXIT_REQUEUE)
         self.recorder.close()
         self.close_loader()
         self.membership.release_workers(failed=True)
-        if job.world.rank == 0:
+        if parts.world.rank == 0:
             agent.record_exit_code(code)
         world_mod.leave_with_launch_siblings(5.0)
         lifecycle.end_process(code)
@@ -200,20 +203,20 @@ class Stops:
         last checkpoint on disk (a --checkpoint-every save or an earlier stop's) is kept
         and named. The job ends with exit code 1, not requeued (it would diverge again).
         ``n``: the non-finite steps in a row."""
-        job = self.job
-        st = job.state
+        parts = self.parts
+        st = parts.state
         self.requeue = False
-        unit = "updates" if st.strategy.asynchronous and job.world.size > 1 else "steps"
+        unit = "updates" if st.strategy.asynchronous and parts.world.size > 1 else "steps"
         name = f"{n} {unit} with a non-finite loss"
         self.phase.stop(name, saved=False)
-        if job.world.rank != 0:
+        if parts.world.rank != 0:
             return
         log.error("the loss was not finite for %d %s in a row (up to step %d, learning "
                   "rate %.4g, batch %d): training stops. Lower the learning rate (--lr), "
                   "clip gradients, or raise --max-nonfinite-steps", n, unit, st.step,
                   st.hyper.lr, st.hyper.batch_size)
         self.record_stop(name, False, requeue=False)
-        path = job.options.stops.checkpoint
+        path = parts.options.stops.checkpoint
         kept = checkpoint_step(path) if path else None
         if kept is not None:
             log.error("the state in memory holds the update that diverged and is not saved; "
@@ -224,23 +227,23 @@ class Stops:
 
     def save_periodically(self) -> None:
         """Rank 0, --checkpoint-every: a failed write is logged and training goes on."""
-        job = self.job
+        parts = self.parts
         try:
-            self.save_checkpoint(job.options.stops.checkpoint)
+            self.save_checkpoint(parts.options.stops.checkpoint)
         except (OSError, RuntimeError) as exc:
             log.error("step %d: the periodic checkpoint could not be written to %s: %s; "
-                      "training goes on, the previous checkpoint stays", job.state.step,
-                      job.options.stops.checkpoint, exc)
+                      "training goes on, the previous checkpoint stays", parts.state.step,
+                      parts.options.stops.checkpoint, exc)
 
     def save_for_stop(self, name: str) -> bool:
-        job = self.job
-        st = job.state
+        parts = self.parts
+        st = parts.state
         if self.resumed_at is not None and st.step - self.resumed_at < 20:
             log.warning("stopped again %d step(s) after resuming: the job gets its stop "
                         "signal right after it starts. Slurm sends --signal=SIG@T up to "
                         "60 s before T; make the time limit (--time) well longer than "
                         "T + 60 s", st.step - self.resumed_at)
-        path = job.options.stops.checkpoint
+        path = parts.options.stops.checkpoint
         if not path:
             log.warning("stopped on %s at step %d; no --checkpoint given, state not saved "
                         "(pass --checkpoint PATH to save it and resume)", name, st.step)
@@ -259,7 +262,7 @@ class Stops:
     def announce(self, summary: Dict[str, Any]) -> None:
         """Rank 0, at the end: the summary as one line of JSON (and ``--summary-json``)."""
         print(json.dumps(summary), flush=True)
-        path = self.job.options.recording.summary_json
+        path = self.parts.options.recording.summary_json
         if path:
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(summary, f)
@@ -269,17 +272,17 @@ class Stops:
         after a stop with the state saved, 1 when it could not be saved), the checkpoint of
         a finished training and its lease released (``owns_checkpoint``: not a worker that
         is still joining), MPI released; exits unless ``exit=False``."""
-        job = self.job
+        parts = self.parts
         self.exit_code = 0
         if self.phase.stopped:
             # Requeue only from a saved state (rank 0 saves; the others follow its word).
             self.exit_code = EXIT_REQUEUE if self.requeue and self.phase.saved else 1
-        elif job.options.stops.checkpoint and job.world.rank == 0 and owns_checkpoint:
+        elif parts.options.stops.checkpoint and parts.world.rank == 0 and owns_checkpoint:
             # what this job owns: the checkpoint and its lease (another job may hold the
             # path now, if this one's lease was taken over while it ran)
-            CheckpointLease(job.options.stops.checkpoint, job_id=config.slurm_job_id()
+            CheckpointLease(parts.options.stops.checkpoint, job_id=config.slurm_job_id()
                             ).release(self.lease_token, remove_checkpoint=True)
-        if job.world.rank == 0:
+        if parts.world.rank == 0:
             agent.record_exit_code(self.exit_code)
         lifecycle.plan_exit(self.exit_code)
         world_mod.shutdown()
@@ -290,8 +293,8 @@ class Stops:
         """The loader's worker processes end now, cleanly (their temporary folders go with
         them), not when the interpreter kills them on its way out; the folders of workers
         that were killed with their rank (a failure) are removed here too."""
-        job = self.job
-        loader = getattr(job, "loader", None)
+        parts = self.parts
+        loader = getattr(parts, "loader", None)
         if loader is not None:
             try:
                 loader.close()

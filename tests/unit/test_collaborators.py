@@ -32,10 +32,11 @@ REACH: dict = {}
 
 
 def _is_job(node) -> bool:
-    """``job`` or ``self.job``: the Job, as a collaborator holds it."""
+    """``parts`` or ``self.parts`` (``job``, ``self.job`` before): the Job's parts, as a
+    collaborator holds them (``loop.parts.JobParts``)."""
     if isinstance(node, ast.Name):
-        return node.id == "job"
-    return (isinstance(node, ast.Attribute) and node.attr == "job"
+        return node.id in ("job", "parts")
+    return (isinstance(node, ast.Attribute) and node.attr in ("job", "parts")
             and isinstance(node.value, ast.Name) and node.value.id == "self")
 
 
@@ -155,3 +156,30 @@ def test_the_training_state_is_written_only_inside_hpcadapt_state():
                         and node.attr in fields and _names_the_state(node.value):
                     found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.attr}")
     assert not found, f"the training state written from outside its methods: {found}"
+
+
+def test_each_collaborator_takes_the_job_s_parts_typed_and_reads_nothing_else_of_it():
+    """Every collaborator's first parameter is ``parts: JobParts``, and through it reads only
+    the parts the protocol names (the options, the world, the state, the user's model,
+    optimizer, loader and extra state): never another collaborator, a Job method or a
+    flag. What else it needs it is handed on its own."""
+    from hpcadapt.loop.parts import PART_NAMES, JobParts
+
+    assert set(PART_NAMES) == set(JobParts.__annotations__)
+    read = collections.defaultdict(set)
+    typed = {}
+    for name, tree in _modules():
+        if name not in COLLABORATORS.values():
+            continue  # progress.py's ProgressLR is the user's, given the Job itself
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_job(node.value):
+                read[name].add(node.attr)
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+                first = node.args.args[1] if len(node.args.args) > 1 else None
+                if first is not None and first.arg in ("job", "parts"):
+                    typed[name] = ast.unparse(first.annotation) if first.annotation else None
+    beyond = {name: sorted(attrs - set(PART_NAMES)) for name, attrs in read.items()
+              if attrs - set(PART_NAMES)}
+    assert beyond == {}, f"read through the Job's parts beyond JobParts: {beyond}"
+    assert set(typed) >= set(COLLABORATORS.values()) - {"recording.py"}, typed
+    assert set(typed.values()) == {"JobParts"}, typed

@@ -63,13 +63,13 @@ def _worker_runner():
     from hpcadapt.loop.recording import Recorder
     from hpcadapt.loop.steps import StepRunner
 
-    job = SimpleNamespace(
+    parts = SimpleNamespace(  # the job's parts (loop.parts.JobParts) the step reads
         state=SimpleNamespace(strategy=strategies.strategy("bounded-delay")),
         optimizer=SimpleNamespace(no_sync=_NoSync),
         options=JobOptions())
-    runner = StepRunner(job, Recorder(), engine=None, signals=None, monitor=None,
+    runner = StepRunner(parts, Recorder(), engine=None, signals=None, monitor=None,
                         follow_ramp=lambda: None, recoverable=lambda: False,
-                        slot_ranks=lambda: 2)
+                        slot_ranks=lambda: 2, restart_pending=lambda: False)
     weight = torch.nn.Parameter(torch.ones(3))
     return runner, weight
 
