@@ -54,3 +54,44 @@ def test_a_users_parser_keeps_its_own_flags_and_gets_the_options_defaults():
     hpcadapt.add_arguments(parser)
     args = parser.parse_args(["--peer-timeout", "12"])
     assert args.epochs == 3 and args.peer_timeout == 12.0 and args.join_timeout == 120.0
+
+
+def _numeric_parsers(path):
+    """The functions of ``path`` that turn a flag's text into a number themselves
+    (``int(text)`` or ``float(text)`` inside a ``try``)."""
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Try) and any(
+                    isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                    and c.func.id in ("int", "float") and c.args
+                    and isinstance(c.args[0], ast.Name) and c.args[0].id == "text"
+                    for stmt in node.body for c in ast.walk(stmt)):
+                found.append(fn.name)
+                break
+    return found
+
+
+def test_every_numeric_flag_is_parsed_in_one_place():
+    """Issue 45: one numeric parser. The flags of the command line, the policies'
+    parameters and the strategies' settings all parse through ``hpcadapt.base.parsers``;
+    ``hpcadapt.policies.params`` is its names (the same functions), not a copy."""
+    from hpcadapt.base import parsers
+    from hpcadapt.policies import params
+
+    elsewhere = {}
+    for top in ("hpcadapt", "policies"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                path = os.path.join(folder, name)
+                if name.endswith(".py") and not path.endswith(os.path.join("base",
+                                                                           "parsers.py")):
+                    found = _numeric_parsers(path)
+                    if found:
+                        elsewhere[os.path.relpath(path, ROOT)] = found
+    assert elsewhere == {}
+    assert _numeric_parsers(parsers.__file__)  # the reader finds them where they are
+    assert all(getattr(params, n) is getattr(parsers, n) for n in parsers.__all__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpcadapt.base.errors import ConfigurationError
-from hpcadapt.base.strategies.checks import at_least
+from hpcadapt.base.parsers import non_negative_int, positive_int
 from hpcadapt.base.strategies.strategy import Setting, Strategy
 
 
@@ -20,11 +20,11 @@ class BoundedDelay(Strategy):
     min_workers = 2
     asynchronous = True
     settings = (
-        Setting("max_delay", "--max-delay", at_least(0),
+        Setting("max_delay", "--max-delay", non_negative_int,
                 "an update computed on a model more than D versions older than the one it "
                 "would be applied to is dropped (its samples are handed out again); a worker "
                 "pulls the model when its own delay reaches D", "max_delay", "D"),
-        Setting("round_steps", "--async-round-steps", at_least(1),
+        Setting("round_steps", "--async-round-steps", positive_int,
                 "global batches per asynchronous round; policies, resizes, checkpoints and "
                 "stop votes run between rounds", "async_round_steps", "K"),
     )

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcadapt.base.strategies.checks import at_least, whole
+from hpcadapt.base.parsers import positive_int
+from hpcadapt.base.strategies.checks import whole
 from hpcadapt.base.strategies.strategy import Setting, Strategy
 
 
@@ -14,7 +15,7 @@ from hpcadapt.base.strategies.strategy import Setting, Strategy
 class LocalSGD(Strategy):
     name = "local-sgd"
     summary = "average the models every --local-sgd-period steps"
-    settings = (Setting("period", "--local-sgd-period", at_least(1),
+    settings = (Setting("period", "--local-sgd-period", positive_int,
                         "steps between model averages (1 or more)", "local_sgd_period"),)
 
     period: int = 8

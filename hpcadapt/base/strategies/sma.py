@@ -9,15 +9,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hpcadapt.base.errors import ConfigurationError
-from hpcadapt.base.strategies.checks import parse_float
+from hpcadapt.base.parsers import fraction_open
 from hpcadapt.base.strategies.strategy import Setting, Strategy
-
-
-def _alpha(text: str) -> float:
-    value = parse_float(text)
-    if not 0 < value <= 1:
-        raise ValueError(f"must be in (0, 1], got {text!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -25,7 +18,7 @@ class SMA(Strategy):
     name = "sma"
     summary = ("pull each replica towards the models' average every step, then apply its "
                "own gradient (KungFu's SMA)")
-    settings = (Setting("sma_alpha", "--sma-alpha", _alpha,
+    settings = (Setting("sma_alpha", "--sma-alpha", fraction_open,
                         "share of the average pulled in each step, in (0, 1]", "sma_alpha"),)
 
     sma_alpha: float = 0.1
