@@ -3,9 +3,9 @@ applies the same plan (hyper-parameters, strategy, topology, a resize asked for)
 
 ``Adaptation`` is the Job's collaborator for it and the one writer of the hyper-parameters
 (``state.hyper``): a plan's batch, rate, momentum and ramp, and the ramp's rate at each step.
-It reads the job's parts (options, world, state, optimizer); it is given the recorder and
-the snapshot (the Job's: the monitoring's view of the last step), and assigns none of the
-Job's attributes."""
+It reads the job's parts (``loop.parts``: options, world, state, model, optimizer); it is
+given the recorder and the snapshot (the Job's: the monitoring's view of the last step), and
+assigns none of the Job's attributes."""
 
 from __future__ import annotations
 

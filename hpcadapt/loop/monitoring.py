@@ -3,8 +3,8 @@ the policies decide on, the step, epoch and eval lines of the metrics file.
 
 ``Monitoring`` is the Job's collaborator for it: it owns the monitors' configuration and one
 replica's previous gradient (the noise scale at world size 1); it reads the job's parts
-(options, world, state, step runner, optimizer, recorder) and assigns none of the Job's
-attributes."""
+(``loop.parts``: options, world, state, model, optimizer), is given the recorder and the
+policy engine, and assigns none of the Job's attributes."""
 
 from __future__ import annotations
 

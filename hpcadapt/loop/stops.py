@@ -4,8 +4,8 @@ recovered from, checkpoints (periodic and at a stop), the resume, and the end of
 
 ``Stops`` is the Job's collaborator for it: it moves the job's phase to stopped or finished
 (``loop.phase``) and owns whether a stop asks for a requeue, the exit code and the step it
-resumed at; it reads the job's parts and
-assigns none of the Job's attributes."""
+resumed at; it reads the job's parts (``loop.parts``) and assigns none of the Job's
+attributes."""
 
 from __future__ import annotations
 
