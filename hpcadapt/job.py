@@ -167,7 +167,7 @@ class Job:
                                 restart_pending=lambda: self.failures.restart_pending)
         # a peer's death, recovered from in place
         self.failures = Failures(self, self.recorder, self.adaptation.engine,
-                                        self.stops.fail, self.resizing, self.steps.roll_back)
+                                 self.stops.fail, self.resizing, self.steps.roll_back)
         if o.recording.sample_log:
             self.recorder.open_sample_log(o.recording.sample_log)
 

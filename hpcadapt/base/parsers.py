@@ -7,18 +7,23 @@ authors."""
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 __all__ = ["positive_int", "non_negative_int", "positive_float", "non_negative_float",
            "float_above", "at_least", "fraction", "fraction_open", "fraction_below_one",
            "momentum", "seed", "positive_int_list", "choice", "step_map"]
 
 
-def _integer(text: str, what: str) -> int:
+def _converted(convert: Callable[[str], Any], text: str, what: str) -> Any:
+    """``convert(text)``, or ValueError saying what was expected."""
     try:
-        return int(text)
+        return convert(text)
     except ValueError:
         raise ValueError(f"expected {what}, got {text!r}") from None
+
+
+def _integer(text: str, what: str) -> int:
+    return _converted(int, text, what)
 
 
 def positive_int(text: str) -> int:
@@ -105,10 +110,7 @@ def fraction(text: str) -> float:
 
 
 def _number(text: str, what: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"expected {what}, got {text!r}") from None
+    return _converted(float, text, what)
 
 
 def fraction_open(text: str) -> float:
