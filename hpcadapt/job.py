@@ -42,7 +42,7 @@ from hpcadapt.data.loader import ElasticDataLoader, split_micro
 from hpcadapt.loop.adaptation import Adaptation
 from hpcadapt.adapt.control import StepTimes
 from hpcadapt.loop.failures import Failures, RecoveryScope
-from hpcadapt.loop.resizing import Resizing
+from hpcadapt.loop.resizing import ResizeDone, Resizing
 from hpcadapt.adapt.monitors import GradientNoiseScale
 from hpcadapt.loop.phase import JobPhase
 from hpcadapt.loop.monitoring import Monitoring
@@ -92,13 +92,10 @@ class Job:
         self.phase = JobPhase(joining=join_dir is not None or spawned_to_join)
         # resizes, joins, leaving; how this process was started (to join a running job
         # through a port's folder, spawned by Open MPI's grow, a warm spare of a rank 0).
-        # What it calls on collaborators created after it goes through these lambdas.
+        # A completed resize comes back as a ResizeDone, handed on by _resized.
         self.resizing = Resizing(
             self, self.recorder, self.phase, fail=lambda exc: self.stops.fail(exc),
-            check_replicas=lambda: self.monitoring.check_replicas_if_asked(),
-            queue_hook=lambda name, **extra: self.adaptation.queue_hook(name, **extra),
-            close_loader=lambda: self.stops.close_loader(),
-            resized=lambda: self.steps.resized(), recovery_scope=self.recovery_scope,
+            recovery_scope=self.recovery_scope,
             join_dir=join_dir, spawned_to_join=spawned_to_join,
             spare_of=config.take_spare_mark())
         config.state_transport()  # a bad HPCADAPT_STATE_TRANSPORT is refused here, not mid-join
@@ -143,7 +140,7 @@ class Job:
         self.adaptation = Adaptation(
             self, self.recorder, snapshot=self._snapshot,
             check_replicas=lambda: self.monitoring.check_replicas_if_asked(),
-            request_resize=self.resizing.request_resize)
+            request_resize=self.request_resize)
         if o.membership.max_workers is not None:
             self.resizing.setup_elastic()
         if not self.resizing.joining:
@@ -231,12 +228,12 @@ class Job:
         loader.bind(self._batches, self.state.global_batch_size)
         loader.sampler.job_driven = True
         if self.resizing.joining:
-            self.resizing.join()
+            self._resized(self.resizing.join())
         else:
             resumed = bool(o.stops.checkpoint) and self.stops.resume(o.stops.checkpoint)
             start_size, reason = self.resizing.start_size(resumed)
             if start_size > self.world.size:
-                self.resizing.start_initial_workers(start_size, reason)
+                self._resized(self.resizing.start_initial_workers(start_size, reason))
             if self.resizing.elastic is not None:
                 self.resizing.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
@@ -519,6 +516,7 @@ class Job:
             if self.failures.take_restart():
                 continue
             if self.phase.left:
+                self.stops.close_loader()
                 self.resizing.leave()
             if not going_on:
                 break
@@ -541,12 +539,28 @@ class Job:
             log.warning("rank(s) %s of %d died (%s): recovered in %.3f s on %d workers, "
                         "training from step %d", dead, done.old_size, done.why,
                         time.perf_counter() - done.started, self.world.size, self.state.step)
-        self.resizing.after_resize(ResizeOutcome(done.old_size, done.new_size,
-                                                   f"failure of rank(s) {dead}", 0.0, True),
-                                     done.started)
+        self._resized(self.resizing.completed(
+            ResizeOutcome(done.old_size, done.new_size, f"failure of rank(s) {dead}", 0.0,
+                          True), done.started))
         if self.options.failures.replace_failed and self.resizing.elastic is not None:
-            self.resizing.request_resize(self.world.size + len(dead),
-                                           f"replacing failed rank(s) {dead}")
+            self.request_resize(self.world.size + len(dead),
+                                f"replacing failed rank(s) {dead}")
+
+    def _resized(self, done: Optional[ResizeDone]) -> None:
+        """A resize completed on this rank (``Resizing``'s ``ResizeDone``; None: none):
+        its follow-ups, handed to their owners in the same order on every rank of the new
+        world (the comparison is collective): the step runner forgets the old world's
+        per-rank times, the replicas are compared (--check-replicas), the resize is
+        recorded, and the policies' ``on_resize`` is queued for the next boundary (every
+        rank queues it: the hook is collective; only rank 0, never a joiner, decides)."""
+        if done is None:
+            return
+        self.steps.resized()
+        identical = self.monitoring.check_replicas_if_asked() if done.compare_replicas \
+            else None
+        self.resizing.record_done(done, identical)
+        self.adaptation.queue_hook("on_resize", old_size=done.outcome.old_size,
+                                   new_size=done.outcome.new_size)
 
     def _agree_on_the_end(self) -> bool:
         """ULFM: no rank leaves before every rank has reached the end (a barrier bounded by
@@ -597,7 +611,7 @@ class Job:
         if self.adaptation.due(monitored=self.steps.monitored, round_end=round_end):
             self.adaptation.hook("after_step")
         if not self.phase.left:
-            self.resizing.poll()
+            self._resized(self.resizing.poll())
         if self.resizing.allocator is not None:
             self.resizing.allocator.reap()  # launchers of workers that exited: no zombies
         return not self.phase.left
@@ -627,7 +641,7 @@ class Job:
         completes at a later step boundary, when the new workers are ready. Requests that
         cannot be met are clipped or refused with a logged reason; training goes on.
         ``remove``: the ranks a shrink should let go first."""
-        self.resizing.request_resize(new_size, reason, remove=remove)
+        self._resized(self.resizing.request_resize(new_size, reason, remove=remove))
 
     def switch_strategy(self, strategy: Strategy, reason: str = "user request") -> None:
         """Change the synchronisation strategy from the next step on; call on every rank at

@@ -183,7 +183,8 @@ class Failures:
                   "state_broadcast_s": time.perf_counter() - t_surveyed if not same else None}
         self.membership.released(len(agreement.dead))
         self.recorder.write(RecoveryRecord(
-            dead=list(agreement.dead), dead_pids=dead_pids, rank=agreement.dead[0],
+            dead=list(agreement.dead), dead_pids=dead_pids,
+            rank=agreement.dead[0] if agreement.dead else -1,
             cause=exc.cause, detail=str(exc), step=st.step, step_in_flight=rolled_from,
             epoch=st.epoch, old_size=old_size, world_size=parts.world.size,
             detected_unix=exc.detected_at, recovered_unix=recovered, waited_s=exc.waited_s,

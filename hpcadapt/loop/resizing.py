@@ -4,8 +4,10 @@ at a boundary, a joiner's join, a leaver's exit.
 ``Resizing`` is the Job's collaborator for them and owns what they change: whether this
 process started as a joiner, the elastic controller and its allocator, the resizes done; a
 join and a shrink move the job's phase (``loop.phase``: holding the state, left). It reads
-the job's parts (``loop.parts.JobParts``: options, world, state, optimizer) and reaches the
-other collaborators only through what it is handed (the recorder, callables)."""
+the job's parts (``loop.parts.JobParts``: options, world, state, optimizer) and reaches no
+other collaborator: a completed resize comes back as a ``ResizeDone`` whose follow-ups (the
+step runner's times reset, the replicas compared, the policies' ``on_resize``) the Job hands
+to their owners, then gives back to ``record_done``."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, NoReturn, Optional
 
 import numpy as np
@@ -32,9 +34,26 @@ from hpcadapt.loop.setup_checks import say_once
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.adapt.control import ControlLayout
 
-__all__ = ["Resizing"]
+__all__ = ["ResizeDone", "Resizing"]
 
 log = logging.getLogger("hpcadapt.job")
+
+
+@dataclass(frozen=True)
+class ResizeDone:
+    """A resize completed on this rank, in the new world (a shrink, a grow, a join, a
+    recovery): ``outcome`` (``elastic.membership.ResizeOutcome``), ``paused_at`` and
+    ``decided_at`` (perf_counter times: the pause and the decision's delay, measured when it
+    is recorded), ``compare_replicas`` (the replicas should be identical now: S-SGD and
+    bounded delay; under model averaging they differ by design). What follows it is the
+    Job's to hand on, in this order on every rank (the comparison is collective): the step
+    runner's per-rank times reset, the replicas compared, ``Resizing.record_done``, the
+    policies' ``on_resize`` queued for the next boundary."""
+
+    outcome: Any
+    paused_at: float = float("nan")
+    decided_at: float = float("nan")
+    compare_replicas: bool = False
 
 
 class Resizing:
@@ -47,19 +66,12 @@ class Resizing:
 
     def __init__(self, parts: JobParts, recorder: Recorder, phase: JobPhase, *,
                  fail: Callable[[BaseException], NoReturn],
-                 check_replicas: Callable[[], Optional[bool]],
-                 queue_hook: Callable[..., None], close_loader: Callable[[], None],
-                 resized: Callable[[], None],
                  recovery_scope: Callable[[], Any],
                  join_dir: Optional[str], spawned_to_join: bool, spare_of: Optional[str]):
         self.parts = parts
         self.recorder = recorder
         self.phase = phase     # the job's life: a join and a shrink move it
         self.fail = fail       # ends the job, state saved (Stops.fail)
-        self.check_replicas = check_replicas  # --check-replicas after a resize (Monitoring's)
-        self.queue_hook = queue_hook      # the policies' on_resize, at the next boundary
-        self.close_loader = close_loader  # a leaving worker's loader workers (Stops')
-        self.resized = resized            # the step runner's per-rank times reset
         self.recovery_scope = recovery_scope  # where a death in a join is recovered (Job's)
         self.join_dir, self.spawned_to_join, self.spare_of = join_dir, spawned_to_join, spare_of
         #: a worker started to join a running job, until it has joined (or, after a
@@ -69,7 +81,6 @@ class Resizing:
         self.allocator = None
         #: every resize this rank saw (the summary's)
         self.resizes: List[Dict[str, Any]] = []
-        self.identical_after_resize: Optional[bool] = None
         self._joined_version = -1
         self._early_word = None  # a spawned joiner's listener (listen_early)
 
@@ -199,40 +210,45 @@ class Resizing:
                  self.world.size)
         return reach, f"resuming at the checkpoint's {saved} workers"
 
-    def start_initial_workers(self, count: int, reason: str = "initial workers") -> None:
+    def start_initial_workers(self, count: int, reason: str = "initial workers"
+                              ) -> Optional[ResizeDone]:
         """--initial-workers: the workers the launch lacks join before the first step, each
         its own launch (a dead one is then recovered from; a rank of a shared launch is not).
-        A grow that fails or times out leaves the job training at the size it has."""
+        A grow that fails or times out leaves the job training at the size it has. Returns
+        the grow, when it completed here."""
         if self.elastic is None:
             raise on_every_rank(ConfigurationError("--initial-workers needs --max-workers (the "
                                                    "allocator that starts them)"))
-        self.request_resize(count, reason)
+        done = self.request_resize(count, reason)
         while self.elastic.growing:
             with self.recovery_scope():
-                self.poll()
+                done = self.poll()
             time.sleep(0.02)
+        return done
 
     def request_resize(self, new_size: int, reason: str = "user request", *,
-                       remove: Optional[List[int]] = None) -> None:
-        """``Job.request_resize``: a shrink now, a grow started now and completed at a later
-        boundary; requests that cannot be met are clipped or refused with a logged reason."""
+                       remove: Optional[List[int]] = None) -> Optional[ResizeDone]:
+        """``Job.request_resize``: a shrink now (returned, done, on the ranks that stay), a
+        grow started now and completed at a later boundary (``poll``); requests that cannot
+        be met are clipped or refused with a logged reason."""
         if self.elastic is None:
             if self.world.rank == 0:
                 log.warning("resize to %d workers refused (%s): no allocator (start with "
                             "--max-workers); training goes on with %d", new_size, reason,
                             self.world.size)
-            return
+            return None
         target = self.elastic.clip(new_size, reason)
         if target is None:
-            return
+            return None
         if target < self.world.size:
-            self._shrink(target, reason, remove)
-        else:
-            failed = self.elastic.start_grow(target, reason)
-            if failed is not None:
-                self.record_resize(failed)
+            return self._shrink(target, reason, remove)
+        failed = self.elastic.start_grow(target, reason)
+        if failed is not None:
+            self.record_resize(failed)
+        return None
 
-    def _shrink(self, target: int, reason: str, remove: Optional[List[int]]) -> None:
+    def _shrink(self, target: int, reason: str, remove: Optional[List[int]]
+                ) -> Optional[ResizeDone]:
         from hpcadapt.elastic.membership import ResizeOutcome, split_leavers
 
         old = self.world.size
@@ -247,22 +263,23 @@ class Resizing:
         if new is None:
             self.phase.leave()
             log.info("leaving the job (%s)", reason)
-            return
+            return None
         self.world.replace(new)
         self.elastic.allocator.released(old - target)
-        self.after_resize(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
+        return self.completed(ResizeOutcome(old, target, reason, 0.0, True), t0, t0)
 
-    def poll(self) -> None:
+    def poll(self) -> Optional[ResizeDone]:
         """At a step boundary: keep the warm spares, and complete a pending grow whose
-        joiners are ready (the join, the state to them, the confirmation) or abandon it."""
+        joiners are ready (the join, the state to them, the confirmation; returned) or
+        abandon it."""
         from hpcadapt.elastic.joins import JoinAborted
         from hpcadapt.elastic.membership import ABANDON, JOIN, ResizeOutcome
 
         if self.elastic is None:
-            return
+            return None
         self.elastic.keep_spares()  # rank 0, not while a grow is pending
         if not self.elastic.growing:
-            return
+            return None
         status, joiners, detail = self.elastic.poll_grow()  # a failure: the caller's recovery
         if status == ABANDON:
             self.record_resize(self.elastic.abandon(detail))
@@ -295,7 +312,7 @@ class Resizing:
                         self._confirm_join()
                 except JoinAborted as exc:
                     self.record_resize(self.elastic.abandon(str(exc)))
-                    return
+                    return None
                 except world_mod.FAILURES as exc:
                     if world_mod.ULFM:
                         self._record_death_during_join(previous, merged, old, reason)
@@ -313,17 +330,18 @@ class Resizing:
                     self.record_resize(ResizeOutcome(
                         old, self.world.size, f"{reason}; abandoned: a joining worker died "
                         f"while it merged ({exc})", 0.0, False))
-                    return
+                    return None
             if scope.recovered:
                 if merged is None:
                     self.record_resize(ResizeOutcome(
                         old, old + joiners, f"{reason}; abandoned: a rank of the job died "
                         f"before the merge", 0.0, False))
-                return
+                return None
             if previous != _comm_null():
                 previous.Free()
-            self.after_resize(ResizeOutcome(old, self.world.size, reason, 0.0, True), t0,
-                              decided)
+            return self.completed(ResizeOutcome(old, self.world.size, reason, 0.0, True),
+                                  t0, decided)
+        return None
 
     def _record_death_during_join(self, previous, merged, old: int, reason: str) -> None:
         """ULFM: a death while the job joins spawned workers, before its recovery. Before
@@ -335,7 +353,6 @@ class Resizing:
         from hpcadapt.elastic.membership import ResizeOutcome
 
         if merged is not None:
-            self.identical_after_resize = None
             self.record_resize(ResizeOutcome(old, self.world.size, f"{reason}; merged, then "
                                               f"a death during the join: the joiners recover "
                                               f"with the job", 0.0, True))
@@ -405,15 +422,15 @@ class Resizing:
         wait(self.world.comm.Iallreduce(MPI.IN_PLACE, one, op=MPI.SUM), self.world.watch,
              "the join's confirmation")
 
-    def join(self) -> None:
-        """A worker started for a grow: connect, merge, receive the state."""
+    def join(self) -> Optional[ResizeDone]:
+        """A worker started for a grow: connect, merge, receive the state. Returns the
+        join (None when a recovery from a death during it handed this worker the state)."""
         from hpcadapt.elastic.joins import (JoinAborted, JoinTicket, join_running_job,
                                             wait_for_turn)
         from hpcadapt.elastic.membership import ResizeOutcome
 
         if self.spawned_to_join:
-            self._join_spawned()
-            return
+            return self._join_spawned()
         self._drop_spawn_parent()
         try:
             ticket = JoinTicket.claim(self.join_dir)
@@ -440,11 +457,11 @@ class Resizing:
         except (JoinAborted, world_mod.PeerFailure, MembershipError) as exc:
             _give_up_join(exc)
         self.phase.took_state()
-        self.after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
+        return self.completed(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
 
-    def _join_spawned(self) -> None:
+    def _join_spawned(self) -> Optional[ResizeDone]:
         """A worker the job spawned (Open MPI): ready, merge, receive the state from rank 0.
         The wait for the job's word lasts as long as the job waits for its joiners."""
         from hpcadapt.elastic.joins import JoinAborted
@@ -495,11 +512,11 @@ class Resizing:
         if scope.recovered:
             log.info("joined as rank %d of %d at step %d, through the recovery from a death "
                      "during the join", self.world.rank, self.world.size, self.state.step)
-            return
+            return None
         self.phase.took_state()
-        self.after_resize(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
         log.info("joined as rank %d of %d at step %d", self.world.rank, self.world.size,
                  self.state.step)
+        return self.completed(ResizeOutcome(-1, self.world.size, "joined", 0.0, True))
 
     @staticmethod
     def _drop_spawn_parent() -> None:
@@ -528,34 +545,35 @@ class Resizing:
         if rank != 0 and version != self.world.cluster_version:
             self.world.adopt_version(version)
 
-    def after_resize(self, outcome, paused_at: float = float("nan"),
-                      decided_at: float = float("nan")) -> None:
-        """Every rank of the new world: rebuild what depends on the size, record the resize,
-        and queue the policies' ``on_resize`` for the next boundary."""
+    def completed(self, outcome, paused_at: float = float("nan"),
+                  decided_at: float = float("nan")) -> ResizeDone:
+        """Every rank of the new world: rebuild what depends on the size (the optimizer's
+        control slots, its buckets' communicator); returns the resize, whose follow-ups the
+        Job hands on (``ResizeDone``)."""
         self.parts.optimizer.set_extra_slots(ControlLayout(self.slot_ranks()).length)
         self.parts.optimizer.ensure_current()
-        self.identical_after_resize = None
         # Under model averaging the replicas differ by design: nothing to compare. Under
         # bounded delay they are rank 0's between rounds (a round given up by a recovery
         # goes back to the weights of its start everywhere).
         strategy = self.state.strategy
-        if outcome.ok and (strategy.averages_gradients or strategy.asynchronous):
-            identical = self.check_replicas()
-            if identical is False and self.world.rank == 0:
-                log.error("replicas differ after the resize to %d workers", self.world.size)
-            self.identical_after_resize = identical
-        self.resized()
-        now = time.perf_counter()
-        outcome = replace(outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
-                          decision_to_first_step_s=now - decided_at)
-        self.record_resize(outcome)
-        # Every rank of the new world queues it (the hook is collective); only rank 0, never
-        # a joiner, decides with the sizes.
-        self.queue_hook("on_resize", old_size=outcome.old_size, new_size=outcome.new_size)
+        return ResizeDone(outcome, paused_at, decided_at, compare_replicas=outcome.ok and (
+            strategy.averages_gradients or strategy.asynchronous))
 
-    def record_resize(self, outcome) -> None:
+    def record_done(self, done: ResizeDone, identical: Optional[bool] = None) -> None:
+        """A completed resize, once its replicas were compared (``identical``; None when
+        not compared): its pause and the decision's delay measured now, then recorded."""
+        if identical is False and self.world.rank == 0:
+            log.error("replicas differ after the resize to %d workers", self.world.size)
+        now = time.perf_counter()
+        paused_at = done.paused_at
+        self.record_resize(replace(
+            done.outcome, pause_s=now - paused_at if paused_at == paused_at else 0.0,
+            decision_to_first_step_s=now - done.decided_at), identical)
+
+    def record_resize(self, outcome, identical: Optional[bool] = None) -> None:
         """A resize done or not (``ResizeOutcome``): the summary's row, the metrics line
-        (rank 0 of the running job) and the log line."""
+        (rank 0 of the running job) and the log line. ``identical``: whether the replicas
+        were found identical after it (None: not compared)."""
         st = self.state
         row = {"old_size": outcome.old_size, "new_size": outcome.new_size, "ok": outcome.ok,
                "pause_s": outcome.pause_s, "reason": outcome.reason,
@@ -570,7 +588,7 @@ class Resizing:
             world_size=self.world.size, batch_size=st.hyper.batch_size,
             lr=st.applied_rate(float(self.parts.optimizer.optimizer.param_groups[0]["lr"])),
             decision_to_first_step_s=outcome.decision_to_first_step_s,
-            replicas_identical=self.identical_after_resize if outcome.ok else None,
+            replicas_identical=identical if outcome.ok else None,
             pids=list(self.world.pids) if outcome.ok else None))
         if self.world.rank == 0:
             level = logging.INFO if outcome.ok else logging.WARNING
@@ -608,8 +626,8 @@ class Resizing:
                                                      wait_s=self.options.failures.peer_timeout))
 
     def leave(self) -> None:
-        """This rank left the job in a shrink: nothing of it is needed any more."""
-        self.close_loader()
+        """This rank left the job in a shrink: nothing of it is needed any more (its
+        loader's workers were closed by the Job)."""
         self.recorder.close()
         world_mod.shutdown()
         logging.shutdown()
