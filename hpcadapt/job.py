@@ -51,8 +51,7 @@ from hpcadapt.loop.steps import StepRunner
 from hpcadapt.loop import setup_checks
 from hpcadapt.loop.stops import Stops
 from hpcadapt.parallel.optimizer import DistributedOptimizer
-from hpcadapt.state.training import (HyperParams, TrainingState, UserState, momentum_of,
-                                     reference_lr)
+from hpcadapt.state.training import HyperParams, TrainingState, UserState, reference_lr
 
 
 __all__ = ["Job", "JobOptions", "StepTimes"]
@@ -214,7 +213,7 @@ class Job:
             buffers=model.buffers() if o.comm.broadcast_buffers else ())
         group = optimizer.param_groups[0]
         hyper = HyperParams(batch_size=loader.batch_size, lr=reference_lr(group),
-                            momentum=float(momentum_of(group)), base_lr=reference_lr(group),
+                            momentum=None, base_lr=reference_lr(group),
                             base_batch_size=loader.batch_size)
         self.monitoring.configure()
         self.state = TrainingState(model, optimizer, loader.sampler, hyper,

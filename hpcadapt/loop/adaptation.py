@@ -75,7 +75,7 @@ class Adaptation:
 
     def follow_ramp(self) -> None:
         """The reference rate of this step (a batch change's ramp moves it); the update
-        applies it on top of the user's rates (``rates_scaled``)."""
+        applies it on top of the user's rates (``settings_applied``)."""
         self.parts.state.follow_ramp()
 
     def hook(self, name: str, **extra: Any) -> None:
@@ -152,7 +152,7 @@ class Adaptation:
                 new.lr, new.ramp = plan.ramp[3], None
         parts.state.set_hyper(new)
         if plan.momentum is not None:
-            self._apply_momentum(plan.momentum)
+            self._check_momentum(plan.momentum)
         if plan.strategy is not None:
             # (a peer dying in the switch ends the plan here: the rest was for that world)
             self.switch_strategy(Strategy.from_dict(plan.strategy), plan.reason or "policy")
@@ -242,15 +242,12 @@ class Adaptation:
                                            switch_s=time.perf_counter() - t0,
                                            replicas_identical=identical))
 
-    def _apply_momentum(self, momentum: float) -> None:
-        """The plan's momentum into every param group that has one (SGD's)."""
+    def _check_momentum(self, momentum: float) -> None:
+        """A plan's momentum is the update's in every param group that has one (SGD's:
+        ``settings_applied``); an optimizer with none is told of once per decision."""
         parts = self.parts
-        applied = False
-        for group in parts.optimizer.param_groups:
-            if "momentum" in group:
-                group["momentum"] = momentum
-                applied = True
-        if not applied and parts.world.rank == 0:
+        applies = any("momentum" in group for group in parts.optimizer.param_groups)
+        if not applies and parts.world.rank == 0:
             log.warning("momentum %.3g not applied: the optimizer (%s) has no SGD momentum "
                         "(Adam's betas are left as they are)", momentum,
                         type(parts.optimizer.optimizer).__name__)

@@ -26,7 +26,7 @@ from hpcadapt.loop.progress_line import ProgressLine
 from hpcadapt.parallel.optimizer import GradientStats
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.adapt.engine import PolicyEngine
-from hpcadapt.state.training import TrainingState
+from hpcadapt.state.training import TrainingState, momentum_of
 
 __all__ = ["Monitoring"]
 
@@ -160,10 +160,12 @@ class Monitoring:
 
         parts = self.parts
         st, t, h = parts.state, report.times, parts.state.hyper
+        momentum = st.applied_momentum(momentum_of(parts.optimizer.optimizer.param_groups[0]))
         lo, hi = st.gns.interval()
         return MetricsSnapshot(
             step=st.step, epoch=st.epoch, world_size=parts.world.size,
-            batch_size=h.batch_size, lr=h.lr, momentum=h.momentum,
+            batch_size=h.batch_size, lr=h.lr,
+            momentum=momentum,
             base_lr=h.base_lr, base_batch_size=h.base_batch_size, loss=report.loss,
             samples_per_s=(report.count / report.step_time) if report.step_time
             else float("nan"),

@@ -20,7 +20,7 @@ from hpcadapt.comm import world as world_mod
 from hpcadapt.comm.collectives import ReduceOp
 from hpcadapt.data.loader import split_micro
 from hpcadapt.base.metrics import BoundedDelayRecord
-from hpcadapt.state.training import rates_scaled
+from hpcadapt.state.training import settings_applied
 from hpcadapt.loop.parts import JobParts
 from hpcadapt.loop.recording import Recorder
 
@@ -125,7 +125,8 @@ class BoundedDelayRounds:
         inner = parts.optimizer.optimizer
         h = parts.state.hyper
         rate = h.lr_at(step) if h.ramp is not None else h.lr
-        with rates_scaled(inner, rate / parts.state.origin["lr"] * samples / batch):
+        with settings_applied(inner, rate / parts.state.origin["lr"] * samples / batch,
+                              h.momentum):
             inner.step()
 
     def _round_control(self, report) -> np.ndarray:

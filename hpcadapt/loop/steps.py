@@ -31,7 +31,7 @@ from hpcadapt.loop.rounds import BoundedDelayRounds
 from hpcadapt.adapt.control import ControlLayout, StepReport, StepTimes
 from hpcadapt.parallel.optimizer import GradientStats
 from hpcadapt.state.rollback import StepCommit
-from hpcadapt.state.training import optimizer_settings, rates_scaled
+from hpcadapt.state.training import optimizer_settings, settings_applied
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.adapt.engine import PolicyEngine
 from hpcadapt.base.preemption import StopSignals
@@ -361,7 +361,7 @@ class StepRunner:
                 self.monitor.update(stats, self.part.global_count, self.last_times)
             if clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(parts.model.parameters(), clip_grad_norm)
-            with rates_scaled(inner, st.rate_factor()):
+            with settings_applied(inner, st.rate_factor(), st.hyper.momentum):
                 if scaler is None:
                     inner.step()
                 else:
@@ -421,9 +421,9 @@ class StepRunner:
 
     def _record_settings(self) -> None:
         """The optimizer's settings as the update applies them (the policies' factor on the
-        user's rates), for the step's metrics line and the summary."""
-        inner = self.parts.optimizer.optimizer
-        with rates_scaled(inner, self.parts.state.rate_factor()):
+        user's rates, a policy's momentum), for the step's metrics line and the summary."""
+        inner, st = self.parts.optimizer.optimizer, self.parts.state
+        with settings_applied(inner, st.rate_factor(), st.hyper.momentum):
             self.used_settings = optimizer_settings(inner)
 
     def _commit(self, count: int, steps: int) -> None:

@@ -37,12 +37,16 @@ _HEADER_MAX = 4096
 @dataclass
 class HyperParams:
     """The hyper-parameters decisions change between steps. ``lr`` is the reference rate:
-    every param group's rate moves by the same factor when it changes. ``ramp`` is
-    ``(start_step, steps, start_lr, end_lr)`` while a learning-rate ramp runs."""
+    every param group's rate moves by the same factor when it changes. ``momentum``: the
+    momentum a policy decided, which the update uses in every param group that has one
+    (SGD's); None until one does: the optimizer's own (yours, your scheduler's). ``ramp``
+    is ``(start_step, steps, start_lr, end_lr)`` while a learning-rate ramp runs. Both are
+    applied during the update only (``settings_applied``): the user's optimizer keeps its
+    own values, the policies' are held here alone."""
 
     batch_size: int
     lr: float
-    momentum: float
+    momentum: Optional[float]
     base_lr: float
     base_batch_size: int
     ramp: Optional[tuple] = None
@@ -150,7 +154,7 @@ class TrainingState:
         self.last_accuracy = float("nan")
         # The settings training started with: a resume must start from the same ones.
         self.origin = {"lr": hyper.lr, "batch_size": hyper.batch_size,
-                       "momentum": hyper.momentum}
+                       "momentum": momentum_of(optimizer.param_groups[0])}
         # AdaScale's scale-invariant iterations: the sum of each committed step's gain.
         self.gain_steps = 0.0
 
@@ -161,13 +165,17 @@ class TrainingState:
     def rate_factor(self, reference: Optional[float] = None) -> float:
         """How far the policies moved the rate: the reference rate now (or ``reference``)
         over the one training started with. It multiplies whatever rate the user's optimizer
-        and scheduler hold, during the update only (see ``rates_scaled``)."""
+        and scheduler hold, during the update only (see ``settings_applied``)."""
         return (self.hyper.lr if reference is None else reference) / self.origin["lr"]
 
     def applied_rate(self, user_rate: float, reference: Optional[float] = None) -> float:
         """The rate an update uses: the user's (``param_groups``, as their scheduler set it)
         times the policies' factor; what logs and plots call "lr"."""
         return user_rate * self.rate_factor(reference)
+
+    def applied_momentum(self, user_momentum: float) -> float:
+        """The momentum an update uses: a policy's decision, else the user's."""
+        return user_momentum if self.hyper.momentum is None else self.hyper.momentum
 
     @property
     def epoch(self) -> int:
@@ -370,7 +378,8 @@ class TrainingState:
                 _whole(key.replace("_", " "), hyper[key], low=1, high=total)
             for key in ("lr", "base_lr"):
                 _finite(key, hyper[key], positive=True)
-            _finite("momentum", hyper["momentum"], low=0.0)
+            if hyper["momentum"] is not None:   # None: the optimizer's own
+                _finite("momentum", hyper["momentum"], low=0.0, high=1.0)
             if hyper.get("ramp") is not None:
                 start, steps, start_lr, end_lr = hyper["ramp"]
                 _whole("ramp start", start)
@@ -539,23 +548,31 @@ def reference_lr(group: Mapping[str, Any]) -> float:
 
 
 @contextmanager
-def rates_scaled(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
-    """Every param group's rate times ``factor`` inside the block, then exactly what it was.
+def settings_applied(optimizer: torch.optim.Optimizer, factor: float,
+                     momentum: Optional[float] = None) -> Iterator[None]:
+    """The policies' settings on the user's optimizer inside the block, then exactly what it
+    held: every param group's rate times ``factor``, and ``momentum`` (a policy's; None:
+    the groups' own) in every group that has one (SGD's; Adam's betas are left alone).
 
     AdaptDL's convention for scaling rules: the policies' factor applies on top of whatever
     the user's scheduler set, and the scheduler never sees it. A scheduler that writes the
     rate (LambdaLR, OneCycleLR) and one that reads it back to chain (CosineAnnealingLR,
-    ExponentialLR) both keep their own arithmetic, so ``--lr-rule`` and a schedule compose."""
+    ExponentialLR) both keep their own arithmetic, so ``--lr-rule`` and a schedule compose;
+    the policies' values live in the training state alone (one home each)."""
     groups = optimizer.param_groups
-    saved = [g["lr"] for g in groups]
-    if factor != 1.0:
-        for g, lr in zip(groups, saved):
+    saved = [(g["lr"], g.get("momentum")) for g in groups]
+    for g, (lr, _) in zip(groups, saved):
+        if factor != 1.0:
             g["lr"] = lr * factor
+        if momentum is not None and "momentum" in g:
+            g["momentum"] = momentum
     try:
         yield
     finally:
-        for g, lr in zip(groups, saved):
+        for g, (lr, own) in zip(groups, saved):
             g["lr"] = lr
+            if "momentum" in g:
+                g["momentum"] = own
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

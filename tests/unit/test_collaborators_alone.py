@@ -19,7 +19,7 @@ from hpcadapt.loop.monitoring import Monitoring
 from hpcadapt.loop.phase import JobPhase, Phase
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.loop.stops import Stops
-from hpcadapt.state.training import HyperParams, TrainingState, UserState
+from hpcadapt.state.training import HyperParams, TrainingState, UserState, settings_applied
 
 
 def _world(rank=0, size=1, version=3):
@@ -84,7 +84,11 @@ def test_a_plan_changes_the_hyper_parameters_together_and_asks_for_its_resize(tm
                                reason="test"))
     h = parts.state.hyper
     assert (h.batch_size, h.momentum, h.ramp) == (32, 0.5, (0, 4, 0.1, 0.2))
-    assert parts.optimizer.optimizer.param_groups[0]["momentum"] == 0.5  # SGD's, applied
+    group = parts.optimizer.optimizer.param_groups[0]
+    assert group["momentum"] == 0.9          # the user's stays the user's (one home each)
+    with settings_applied(parts.optimizer.optimizer, parts.state.rate_factor(), h.momentum):
+        assert group["momentum"] == 0.5      # the update's
+    assert group["momentum"] == 0.9
     assert resized == [((3, "test"), {"remove": [2]})]
     for step in range(1, 5):      # the ramp moves the reference rate, step by step
         parts.state.step = step

@@ -7,97 +7,20 @@ as the callables and protocols each is handed. No Job.
 What needs several ranks (a real death, a grow's join) is tested by the multi-rank and fault
 suites; here each collaborator's own decisions and what it returns."""
 
-import copy
-import json
 import logging
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from mpi4py import MPI
-from torch.utils.data import TensorDataset
 
-from hpcadapt.adapt.control import ControlLayout
-from hpcadapt.adapt.monitors import GradientNoiseScale
-from hpcadapt.base import strategies
+from collaborator_parts import BATCH, Assembly, loss_of as _loss
 from hpcadapt.base.errors import ConfigurationError
-from hpcadapt.base.options import JobOptions
-from hpcadapt.comm.world import PeerFailure, World
-from hpcadapt.data.loader import ElasticDataLoader
+from hpcadapt.comm.world import PeerFailure
 from hpcadapt.elastic.membership import ResizeOutcome
-from hpcadapt.loop.adaptation import Adaptation
 from hpcadapt.loop.failures import Failures, Recovered
-from hpcadapt.loop.monitoring import Monitoring
 from hpcadapt.loop.phase import JobPhase
-from hpcadapt.loop.recording import Recorder
 from hpcadapt.loop.resizing import ResizeDone, Resizing
-from hpcadapt.loop.steps import StepRunner
-from hpcadapt.parallel.optimizer import DistributedOptimizer
-from hpcadapt.state.training import HyperParams, TrainingState, UserState
-
-BATCH = 16
-
-
-class _Job:
-    """The parts and the collaborators a test builds, as the Job would (``Job.setup``)."""
-
-    def __init__(self, tmp_path, strategy="ssgd", **options):
-        torch.manual_seed(0)
-        self.model = torch.nn.Linear(4, 3)
-        self.sgd = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
-        self.start = copy.deepcopy(self.model)   # the weights before any step
-        g = torch.Generator().manual_seed(1)
-        data = TensorDataset(torch.randn(64, 4, generator=g),
-                             torch.randint(0, 3, (64,), generator=g))
-        loader = ElasticDataLoader(data, BATCH, seed=0)
-        world = World(MPI.COMM_SELF.Dup())
-        o = JobOptions.of(strategy=strategy, **options)
-        optimizer = DistributedOptimizer(self.sgd, self.model.named_parameters(), world=world,
-                                         extra_slots=ControlLayout(1).length)
-        self.parts = SimpleNamespace(options=o, world=world, state=None, model=self.model,
-                                     optimizer=optimizer, loader=loader, extra=UserState())
-        self.metrics = tmp_path / "m.jsonl"
-        self.recorder = Recorder()
-        self.recorder.open(str(self.metrics), enabled=True, resuming=False)
-        self.resize_requests = []
-        self.adaptation = Adaptation(self.parts, self.recorder, snapshot=lambda: None,
-                                     check_replicas=lambda: None,
-                                     request_resize=lambda *a, **kw:
-                                     self.resize_requests.append((a, kw)))
-        self.monitoring = Monitoring(self.parts, self.recorder, self.adaptation.engine)
-        self.monitoring.configure()
-        hyper = HyperParams(batch_size=BATCH, lr=0.1, momentum=0.9, base_lr=0.1,
-                            base_batch_size=BATCH)
-        state = TrainingState(self.model, self.sgd, loader.sampler, hyper,
-                              GradientNoiseScale(o.monitoring.monitor_ema,
-                                                 self.monitoring.config.window),
-                              self.parts.extra, self.adaptation.engine)
-        state.switch_strategy(strategies.from_options(o.steps))
-        state.switch_topology(o.comm.topology)
-        self.parts.state = state
-        optimizer.follow(state, o.comm.ranks_per_node)
-        loader.bind(lambda: iter(()), state.global_batch_size)
-        loader.sampler.job_driven = True
-
-    def runner(self, signals=None, recoverable=True):
-        return StepRunner(self.parts, self.recorder, self.adaptation.engine, signals,
-                          self.monitoring, follow_ramp=self.adaptation.follow_ramp,
-                          recoverable=lambda: recoverable,
-                          slot_ranks=lambda: self.parts.world.size,
-                          restart_pending=lambda: False)
-
-    def records(self, event):
-        """The metrics file's lines of ``event`` (none while nothing was written)."""
-        if not self.metrics.exists():
-            return []
-        return [r for r in map(json.loads, self.metrics.read_text().splitlines())
-                if r.get("event") == event]
-
-
-def _loss(model, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
 
 
 def _run_step(runner, model, scale=1.0):
@@ -129,7 +52,7 @@ def _reference_step(job, batches):
 # -- StepRunner ---------------------------------------------------------------------------
 @pytest.mark.parametrize("micro", [None, 4], ids=["one-batch", "four-micro-batches"])
 def test_a_step_trains_the_whole_batch_as_torch_would_and_commits_it(tmp_path, micro):
-    job = _Job(tmp_path, max_local_batch=micro)
+    job = Assembly(tmp_path, max_local_batch=micro)
     runner = job.runner()
     outcomes, batches, count = _run_step(runner, job.model)
     assert count == BATCH and sum(len(b[0]) for b in batches) == BATCH
@@ -152,7 +75,7 @@ def test_a_step_trains_the_whole_batch_as_torch_would_and_commits_it(tmp_path, m
 
 
 def test_a_non_finite_loss_skips_the_update_and_counts_the_run(tmp_path):
-    job = _Job(tmp_path)
+    job = Assembly(tmp_path)
     runner = job.runner()
     before = [p.detach().clone() for p in job.model.parameters()]
     (outcome,), _, _ = _run_step(runner, job.model, scale=float("nan"))
@@ -164,8 +87,33 @@ def test_a_non_finite_loss_skips_the_update_and_counts_the_run(tmp_path):
     assert runner.nonfinite_run == 0
 
 
+def test_a_policys_momentum_is_the_updates_and_the_users_optimizer_keeps_its_own(tmp_path):
+    from hpcadapt.base.plan import Plan
+
+    job = Assembly(tmp_path)
+    runner = job.runner()
+    _, first, _ = _run_step(runner, job.model)
+    job.adaptation.apply_plan(Plan(version=0, step=1, momentum=0.5, reason="test"))
+    _, second, _ = _run_step(runner, job.model)
+    assert runner.report().used_settings["momentum"] == 0.5      # the metrics line's
+    assert job.sgd.param_groups[0]["momentum"] == 0.9            # the user's, untouched
+    model = job.start                 # torch alone: 0.9 for the first step, 0.5 after
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for batches, momentum in ((first, 0.9), (second, 0.5)):
+        sgd.param_groups[0]["momentum"] = momentum
+        sgd.zero_grad()
+        _loss(model, (torch.cat([b[0] for b in batches]),
+                      torch.cat([b[1] for b in batches]))).backward()
+        sgd.step()
+    for mine, torchs in zip(job.model.parameters(), model.parameters()):
+        assert torch.allclose(mine, torchs, atol=1e-6)
+    snap = job.monitoring.snapshot(runner.report(), max_workers=1, can_resize=False,
+                                   resizing=False)
+    assert snap.momentum == 0.5                                  # what the policies see
+
+
 def test_roll_back_undoes_what_the_loop_body_changed_in_the_step_in_flight(tmp_path):
-    job = _Job(tmp_path, max_local_batch=8)
+    job = Assembly(tmp_path, max_local_batch=8)
     runner = job.runner()
     walk = runner.sync_step()
     runner.step(_loss(job.model, next(walk)))     # the first of two micro-batches
@@ -180,7 +128,7 @@ def test_roll_back_undoes_what_the_loop_body_changed_in_the_step_in_flight(tmp_p
 
 
 def test_nothing_is_kept_to_undo_where_a_death_is_not_survived(tmp_path):
-    job = _Job(tmp_path, max_local_batch=8)
+    job = Assembly(tmp_path, max_local_batch=8)
     runner = job.runner(recoverable=False)
     walk = runner.sync_step()
     runner.step(_loss(job.model, next(walk)))
@@ -189,7 +137,7 @@ def test_nothing_is_kept_to_undo_where_a_death_is_not_survived(tmp_path):
 
 def test_the_stop_file_and_a_stop_signal_are_voted_on_with_the_steps_values(tmp_path):
     stop = tmp_path / "stop"
-    job = _Job(tmp_path, stop_file=str(stop))
+    job = Assembly(tmp_path, stop_file=str(stop))
     runner = job.runner(signals=SimpleNamespace(received=None))
     _run_step(runner, job.model)
     assert not runner.finish_requested and not runner.stop_requested
@@ -200,7 +148,7 @@ def test_the_stop_file_and_a_stop_signal_are_voted_on_with_the_steps_values(tmp_
 
 
 def test_job_step_outside_a_batch_is_refused_in_one_line(tmp_path):
-    job = _Job(tmp_path)
+    job = Assembly(tmp_path)
     with pytest.raises(ConfigurationError, match="once per batch the loader yields"):
         job.runner().step(_loss(job.model, (torch.zeros(2, 4), torch.zeros(2).long())))
 
@@ -223,22 +171,22 @@ def _resizing(job, failures=None):
     ({"max_workers": 4, "min_workers": 2}, "--min-workers 2 is above the 1 workers running"),
 ])
 def test_the_worker_count_flags_are_refused_in_one_line(tmp_path, options, line):
-    job = _Job(tmp_path, allocator="local", **options)
+    job = Assembly(tmp_path, allocator="local", **options)
     with pytest.raises(ConfigurationError, match=line):
         _resizing(job).setup_elastic()
 
 
 def test_the_start_size_follows_the_checkpoint_the_flags_allow(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="hpcadapt")
-    plain = _Job(tmp_path)
+    plain = Assembly(tmp_path)
     plain.parts.state.world_size = 4        # as a checkpoint of 4 workers loads it
     assert _resizing(plain).start_size(resumed=True) == (0, "initial workers")
     assert "without --max-workers the job cannot grow back" in caplog.text
     assert _resizing(plain).start_size(resumed=False) == (0, "initial workers")
-    launch = _Job(tmp_path, max_workers=3, resume_size="launch", allocator="local")
+    launch = Assembly(tmp_path, max_workers=3, resume_size="launch", allocator="local")
     launch.parts.state.world_size = 4
     assert _resizing(launch).start_size(resumed=True) == (0, "initial workers")
-    grows = _Job(tmp_path, max_workers=3, allocator="local")
+    grows = Assembly(tmp_path, max_workers=3, allocator="local")
     grows.parts.state.world_size = 4
     resizing = _resizing(grows)
     resizing.setup_elastic()
@@ -247,7 +195,7 @@ def test_the_start_size_follows_the_checkpoint_the_flags_allow(tmp_path, caplog)
 
 
 def test_a_resize_without_an_allocator_is_refused_and_training_goes_on(tmp_path, caplog):
-    job = _Job(tmp_path)
+    job = Assembly(tmp_path)
     resizing = _resizing(job)
     assert resizing.request_resize(2, "test") is None
     assert "resize to 2 workers refused (test): no allocator" in caplog.text
@@ -259,7 +207,7 @@ def test_a_resize_without_an_allocator_is_refused_and_training_goes_on(tmp_path,
     ("ssgd", True, True), ("bounded-delay", True, True), ("local-sgd", True, False),
     ("ssgd", False, False)])
 def test_a_completed_resize_comes_back_with_its_follow_ups(tmp_path, strategy, ok, compare):
-    job = _Job(tmp_path, strategy=strategy)
+    job = Assembly(tmp_path, strategy=strategy)
     resizing = _resizing(job)
     t0 = time.perf_counter()
     done = resizing.completed(ResizeOutcome(2, 1, "test", 0.0, ok), t0, t0)
@@ -276,7 +224,7 @@ def test_a_completed_resize_comes_back_with_its_follow_ups(tmp_path, strategy, o
 
 
 def test_a_joiners_view_of_its_join_is_not_recorded_in_the_metrics(tmp_path):
-    job = _Job(tmp_path)
+    job = Assembly(tmp_path)
     resizing = _resizing(job)
     resizing.record_done(resizing.completed(ResizeOutcome(-1, 1, "joined", 0.0, True)))
     assert resizing.resizes[0]["reason"] == "joined" and job.records("resize") == []
@@ -317,10 +265,10 @@ def _failures(job, membership, roll_back=lambda: 0):
 
 
 def test_a_death_is_survivable_with_peers_or_room_to_grow_and_on_failure_recover(tmp_path):
-    alone = _Job(tmp_path)
+    alone = Assembly(tmp_path)
     assert not _failures(alone, _Membership(may_grow=False))[0].recoverable
     assert _failures(alone, _Membership(may_grow=True))[0].recoverable
-    stop = _Job(tmp_path, on_failure="stop")
+    stop = Assembly(tmp_path, on_failure="stop")
     assert not _failures(stop, _Membership(may_grow=True))[0].recoverable
 
 
@@ -330,7 +278,7 @@ def test_a_death_is_survivable_with_peers_or_room_to_grow_and_on_failure_recover
 ])
 def test_a_failure_that_is_not_recovered_from_ends_the_job_through_fail(tmp_path, options,
                                                                            exc):
-    job = _Job(tmp_path, **options)
+    job = Assembly(tmp_path, **options)
     membership = _Membership(may_grow=True)
     failures, ended = _failures(job, membership)
     with pytest.raises(SystemExit):
@@ -339,7 +287,7 @@ def test_a_failure_that_is_not_recovered_from_ends_the_job_through_fail(tmp_path
 
 
 def test_a_recovery_rolls_back_reforms_the_world_records_and_asks_for_a_restart(tmp_path):
-    job = _Job(tmp_path)
+    job = Assembly(tmp_path)
     runner = job.runner()
     _run_step(runner, job.model)
     membership = _Membership(may_grow=True)
