@@ -26,6 +26,10 @@ def _integer(text: str, what: str) -> int:
     return _converted(int, text, what)
 
 
+def _number(text: str, what: str) -> float:
+    return _converted(float, text, what)
+
+
 def positive_int(text: str) -> int:
     v = _integer(text, "a positive integer")
     if v < 1:
@@ -41,20 +45,14 @@ def non_negative_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise ValueError(f"expected a positive number, got {text!r}") from None
+    v = _number(text, "a positive number")
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"must be a positive finite number, got {text}")
     return v
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number >= 0, got {text!r}") from None
+    v = _number(text, "a number >= 0")
     if not (math.isfinite(v) and v >= 0):
         raise ValueError(f"must be 0 or a positive finite number, got {text}")
     return v
@@ -89,28 +87,18 @@ def seed(text: str) -> int:
 
 def positive_int_list(text: str) -> List[int]:
     """Comma-separated positive integers (``256,256``)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"expected comma-separated positive integers like 256,256, got "
-                         f"{text!r}") from None
+    values = _converted(lambda t: [int(v) for v in t.split(",") if v.strip()], text,
+                        "comma-separated positive integers like 256,256")
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"expected positive integers like 256,256, got {text!r}")
     return values
 
 
 def fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise ValueError(f"expected a number in [0, 1], got {text!r}") from None
+    v = _number(text, "a number in [0, 1]")
     if not 0.0 <= v <= 1.0:
         raise ValueError(f"must be in [0, 1], got {v}")
     return v
-
-
-def _number(text: str, what: str) -> float:
-    return _converted(float, text, what)
 
 
 def fraction_open(text: str) -> float:
