@@ -29,7 +29,7 @@ from hpcadapt.comm.mpiflavour import flavour
 from hpcadapt.comm.world import CommView
 from hpcadapt.elastic.allocator import LocalAllocator
 from hpcadapt.loop.parts import JobParts
-from hpcadapt.loop.phase import JobPhase
+from hpcadapt.loop.phase import JobPhase, Phase
 from hpcadapt.loop.setup_checks import say_once
 from hpcadapt.loop.recording import Recorder
 from hpcadapt.adapt.control import ControlLayout
@@ -74,9 +74,10 @@ class Resizing:
         self.fail = fail       # ends the job, state saved (Stops.fail)
         self.recovery_scope = recovery_scope  # where a death in a join is recovered (Job's)
         self.join_dir, self.spawned_to_join, self.spare_of = join_dir, spawned_to_join, spare_of
-        #: a worker started to join a running job, until it has joined (or, after a
-        #: recovery, took rank 0's role: then it owns the checkpoint and the end)
-        self.joining = join_dir is not None or spawned_to_join
+        #: a worker started to join a running job (its role, read from the phase it
+        #: started in), until a recovery gives it rank 0's role: it then owns the
+        #: checkpoint and the end of the job
+        self.joining = phase.phase is Phase.JOINING
         self.elastic = None  # the ElasticController, with --max-workers
         self.allocator = None
         #: every resize this rank saw (the summary's)
