@@ -232,7 +232,9 @@ class Job:
             resumed = bool(o.stops.checkpoint) and self.stops.resume(o.stops.checkpoint)
             start_size, reason = self.resizing.start_size(resumed)
             if start_size > self.world.size:
-                self._resized(self.resizing.start_initial_workers(start_size, reason))
+                grown = self.resizing.start_initial_workers(start_size, reason)
+                with self.recovery_scope():  # a death in its replica check: recovered
+                    self._resized(grown)
             if self.resizing.elastic is not None:
                 self.resizing.elastic.keep_spares()  # rank 0: they start while training starts
             if self.world.rank == 0:
