@@ -65,7 +65,8 @@ def _check(result, log, events):
     assert all(leaks.values()), (
         f"resource growth over the bounds {res['bounds']}: {leaks}, fd growth "
         f"{res['fd_growth_max']}, children growth {res['children_growth_max']}, "
-        f"zombies {res['zombies_last_max']}, RSS growth {res['rss_growth_mb_max']} MB")
+        f"zombies at a launch's last event {res['zombies_last_max']}, a zombie never reaped "
+        f"{res['zombies_persisting_max']}, RSS growth {res['rss_growth_mb_max']} MB")
 
 
 @pytest.mark.timeout(1260)
