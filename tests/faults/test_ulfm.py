@@ -825,7 +825,14 @@ def _remove_killed_daemons_folders(session_tmp: str, before: set) -> None:
             try:
                 pid = int(open(os.path.join(path, AGENT_FILE), encoding="ascii").read())
             except (OSError, ValueError):
-                continue  # removed meanwhile (or being written): the agent's
+                # No pid: the job is gone, so its agent is removing the folder (rmtree takes
+                # the files first), or was killed in the middle of it (Slurm's SIGKILL;
+                # seen in CI, 2026-12-07): waited for, then removed.
+                settle = min(deadline, time.monotonic() + 10)
+                while os.path.isdir(path) and time.monotonic() < settle:
+                    time.sleep(0.1)
+                shutil.rmtree(path, ignore_errors=True)
+                continue
             while alive(pid) and os.path.isdir(path) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not alive(pid), f"the job's agent (pid {pid}) outlived the job by 120 s"
