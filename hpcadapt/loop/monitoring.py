@@ -164,8 +164,7 @@ class Monitoring:
         lo, hi = st.gns.interval()
         return MetricsSnapshot(
             step=st.step, epoch=st.epoch, world_size=parts.world.size,
-            batch_size=h.batch_size, lr=h.lr,
-            momentum=momentum,
+            batch_size=h.batch_size, lr=h.lr, momentum=momentum,
             base_lr=h.base_lr, base_batch_size=h.base_batch_size, loss=report.loss,
             samples_per_s=(report.count / report.step_time) if report.step_time
             else float("nan"),

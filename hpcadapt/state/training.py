@@ -560,19 +560,22 @@ def settings_applied(optimizer: torch.optim.Optimizer, factor: float,
     ExponentialLR) both keep their own arithmetic, so ``--lr-rule`` and a schedule compose;
     the policies' values live in the training state alone (one home each)."""
     groups = optimizer.param_groups
-    saved = [(g["lr"], g.get("momentum")) for g in groups]
-    for g, (lr, _) in zip(groups, saved):
-        if factor != 1.0:
+    saved = [g["lr"] for g in groups]
+    # the groups whose momentum a policy's replaces, with the user's (restored after)
+    own = [(g, g["momentum"]) for g in groups if "momentum" in g] if momentum is not None \
+        else []
+    if factor != 1.0:
+        for g, lr in zip(groups, saved):
             g["lr"] = lr * factor
-        if momentum is not None and "momentum" in g:
-            g["momentum"] = momentum
+    for g, _ in own:
+        g["momentum"] = momentum
     try:
         yield
     finally:
-        for g, (lr, own) in zip(groups, saved):
+        for g, lr in zip(groups, saved):
             g["lr"] = lr
-            if "momentum" in g:
-                g["momentum"] = own
+        for g, users in own:
+            g["momentum"] = users
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
